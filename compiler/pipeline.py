@@ -1,0 +1,231 @@
+"""The compiler, start to finish: ONNX model -> signed hybrid module bundle (.hmod).
+
+    frontend.load     pin shapes, fold shape arithmetic (onnxruntime basic level), check ops
+    frontend.to_relax import with weights as constants, Clip as a clip op
+    passes.optimise   fold constants/BatchNorm, conv to NHWC
+    partition         ACL table (acl.py) -> merged regions -> cost policy -> unique symbols
+    codegen           regions -> orders (+ ONNX rendering, + TVM fallback); rest -> TVM per target
+    golden            onnxruntime on the source model: what the device replays in its self-test
+    hmod.write_bundle manifest + members + sha256s + signature, written atomically
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tandoor_agent import hmod
+
+from . import cost, frontend, targets as targets_mod
+from .errors import CompileError
+
+TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}   # fp32, as TVM's own ACL tests
+GOLDEN_PAIRS = 2
+
+
+@dataclass
+class Options:
+    input_specs: list[str] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
+    key: Path | None = None
+    labels: Path | None = None
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    layout: str = "NCHW"
+    bgr: bool = False
+    policy: str = "cost"          # cost | all
+    name: str | None = None
+    version: str = "1"
+
+
+def _tandoor_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("tandoor")
+    except Exception:
+        return "0"
+
+
+def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None:
+    if opts.mean is None and opts.std is None and not opts.bgr:
+        return None
+    chans = inputs[0].shape[1 if opts.layout == "NCHW" else -1]
+    mean = opts.mean or [0.0] * chans
+    std = opts.std or [1.0] * chans
+    for label, v in (("--mean", mean), ("--std", std)):
+        if len(v) not in (1, chans):
+            raise CompileError(f"{label} has {len(v)} values; the input has {chans} channels (give 1 or {chans})")
+    if any(s == 0 for s in std):
+        raise CompileError("--std has a zero; standard deviations must be non-zero")
+    # Values above 1 mean the user gave them in 0..255 pixel units.
+    scale = 1.0 if max(mean + std) > 1.0 else 255.0
+    return {"mean": [float(x) for x in mean], "std": [float(x) for x in std], "scale": scale,
+            "layout": opts.layout, "bgr": bool(opts.bgr)}
+
+
+def _golden(model: frontend.LoadedModel, n: int) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(20261129)
+    pairs = []
+    for _ in range(n):
+        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in model.inputs}
+        outs = sess.run(None, feeds)
+        pairs.append(([feeds[i.name] for i in model.inputs], [np.asarray(o) for o in outs]))
+    return pairs
+
+
+def _npy(a: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=False)
+    return buf.getvalue()
+
+
+def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
+                  progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Compile and write the bundle. Returns the manifest as written."""
+    import tvm
+
+    from . import codegen, order_onnx, partition, passes
+
+    out_path = Path(out_path)
+    if out_path.suffix != hmod.SUFFIX:
+        raise CompileError(f"output {out_path} should end in {hmod.SUFFIX}")
+    if not out_path.parent.is_dir():
+        raise CompileError(f"output directory {out_path.parent} does not exist")
+    if opts.policy not in ("cost", "all"):
+        raise CompileError(f"unknown --policy {opts.policy}; choose cost or all")
+    tgts = targets_mod.resolve(opts.targets)
+    key = hmod.load_private_key(opts.key) if opts.key else None
+    if opts.labels is not None and not Path(opts.labels).is_file():
+        raise CompileError(f"--labels {opts.labels}: no such file")
+
+    progress("loading and folding the ONNX model")
+    model = frontend.load(model_path, opts.input_specs)
+    name = opts.name or model.name
+    preprocess = _preprocess(opts, model.inputs)
+    progress("importing into TVM Relax")
+    mod = frontend.to_relax(model)
+    progress("optimising the graph (constants, BatchNorm, NHWC)")
+    mod, facts = passes.optimise(mod)
+
+    total_flops = _flops(mod["main"])
+
+    def keep(p: partition.Partition) -> tuple[bool, str]:
+        f = sum(cost.op_flops(c) for c in partition._calls(p.func))
+        share = f / total_flops if total_flops else 0.0
+        p.est = {"flops": f, "share": round(share, 6), "p_min": round(cost.p_min(), 6)}
+        if opts.policy == "all":
+            return True, "policy all"
+        if share < cost.p_min():
+            return False, (f"cost: {share:.2%} of the work is below p_min {cost.p_min():.2%}; "
+                           "the boundary costs more than ACL saves")
+        return True, f"cost: {share:.2%} of the work (p_min {cost.p_min():.2%})"
+
+    progress("partitioning for ACL")
+    result = partition.partition(mod, name, keep)
+    kept = [p for p in result.partitions if p.delegate]
+    p_total = sum(p.est.get("share", 0.0) for p in kept)
+
+    members: dict[str, bytes | Path] = {}
+    parts_manifest = []
+    for p in result.partitions:
+        entry = {"symbol": p.symbol, "ops": [o.removeprefix("relax.") for o in p.ops], "composites": p.composites,
+                 "delegate": p.delegate, "reason": p.reason, "est": p.est}
+        if p.delegate:
+            order, blob = codegen.region_to_order(p.func, p.symbol)
+            members[f"orders/{p.symbol}.json"] = json.dumps(order, indent=1, sort_keys=True).encode()
+            members[f"orders/{p.symbol}.bin"] = blob
+            members[f"orders/{p.symbol}.onnx"] = order_onnx.order_to_onnx(order, blob).SerializeToString()
+            entry.update(order=f"orders/{p.symbol}.json", weights=f"orders/{p.symbol}.bin", onnx=f"orders/{p.symbol}.onnx")
+        parts_manifest.append(entry)
+
+    from . import report
+
+    graph = report.graph_of(result.mod)
+    lowered = codegen.lower_regions(result.mod)
+    target_entries = {}
+    with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
+        tmpd = Path(tmp)
+        for t in tgts:
+            progress(f"compiling the TVM part for {t.name}")
+            lib = tmpd / f"{t.name}.so"
+            codegen.build(lowered, t.llvm, lib, t.cross_cc)
+            members[f"lib/{t.name}.so"] = lib.read_bytes()
+            entry = {"arch": t.arch, "lib": f"lib/{t.name}.so", "llvm": t.llvm, "fallback": {}}
+            for p in kept:
+                progress(f"compiling the TVM fallback of {p.symbol} for {t.name}")
+                fb = tmpd / f"{t.name}.{p.symbol}.so"
+                codegen.build(codegen.region_as_module(p.func), t.llvm, fb, t.cross_cc)
+                member = f"fallback/{t.name}/{p.symbol}.so"
+                members[member] = fb.read_bytes()
+                entry["fallback"][p.symbol] = member
+            target_entries[t.name] = entry
+
+        progress("recording golden input/output pairs with onnxruntime")
+        golden = []
+        for k, (ins, outs) in enumerate(_golden(model, GOLDEN_PAIRS)):
+            g = {"inputs": [], "outputs": []}
+            for i, a in enumerate(ins):
+                members[f"golden/input_{k}_{i}.npy"] = _npy(a)
+                g["inputs"].append(f"golden/input_{k}_{i}.npy")
+            for j, a in enumerate(outs):
+                members[f"golden/output_{k}_{j}.npy"] = _npy(a)
+                g["outputs"].append(f"golden/output_{k}_{j}.npy")
+            golden.append(g)
+        if opts.labels:
+            members["labels.txt"] = Path(opts.labels).read_bytes()
+
+        ops_delegated = result.ops_delegated
+        manifest = {
+            "model": {"name": name, "version": opts.version, "source_sha256": model.sha256, "source": Path(model_path).name},
+            "tvm_version": tvm.__version__,
+            "tandoor_version": _tandoor_version(),
+            "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+            "targets": target_entries,
+            "inputs": [{**i.as_dict(), "layout": opts.layout if len(i.shape) == 4 else None} for i in model.inputs],
+            "outputs": [o.as_dict() for o in model.outputs],
+            "preprocess": preprocess,
+            "labels": "labels.txt" if opts.labels else None,
+            "partitions": parts_manifest,
+            "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],
+            "ops_total": result.ops_total,
+            "ops_delegated": ops_delegated,
+            "delegation_ratio": round(ops_delegated / result.ops_total, 4) if result.ops_total else 0.0,
+            "predicted_speedup": round(cost.speedup(p_total, len(kept)), 3),
+            "policy": opts.policy,
+            "layout_transposes": facts["layout_transposes"],
+            "golden": golden,
+            "graph": graph,
+            "tolerance": TOLERANCE,
+            "notes": model.notes,
+        }
+        progress(f"writing {out_path.name}")
+        return hmod.write_bundle(out_path, manifest, members, private_key=key)
+
+
+def _flops(func) -> float:
+    from tvm import relax
+    import tvm as _tvm
+
+    total = 0.0
+
+    def visit(e):
+        nonlocal total
+        if isinstance(e, relax.Call) and isinstance(e.op, _tvm.ir.Op):
+            total += cost.op_flops(e)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return total

@@ -1,0 +1,161 @@
+"""What `tandoor inspect` shows: a summary of the manifest and the graph coloured by placement."""
+
+from __future__ import annotations
+
+from collections import Counter
+from html import escape
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from tandoor_agent import hmod
+
+JSON_KEYS = ("format_version", "model", "targets", "inputs", "outputs", "ops_total", "ops_delegated",
+             "delegation_ratio", "predicted_speedup")
+
+
+def summary(bundle: hmod.Bundle) -> dict:
+    m = bundle.manifest
+    info = {k: m.get(k) for k in JSON_KEYS}
+    info["targets"] = {t: {"arch": v["arch"]} for t, v in m["targets"].items()}
+    info["partitions"] = [{"symbol": p["symbol"], "ops": p["ops"], "delegate": p["delegate"], "reason": p["reason"],
+                           "est": p.get("est", {})} for p in m["partitions"]]
+    info["tvm_ops"] = m.get("tvm_ops", [])
+    info["layout_transposes"] = m.get("layout_transposes")
+    info["policy"] = m.get("policy")
+    info["signed"] = bundle.signed
+    return info
+
+
+def print_summary(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    m = info["model"]
+    c.print(f"[bold]{m['name']}[/] v{m['version']}  (source sha256 {m['source_sha256'][:12]}…, "
+            f"format {info['format_version']}, {'signed' if info['signed'] else 'unsigned'})")
+    c.print("inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in info["inputs"]))
+    c.print("outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o['shape']}" for o in info["outputs"]))
+    c.print("targets: " + ", ".join(f"{t} ({v['arch']})" for t, v in info["targets"].items()))
+    c.print(f"ops delegated to ACL: {info['ops_delegated']}/{info['ops_total']} "
+            f"(ratio {info['delegation_ratio']:.2f}), predicted speedup {info['predicted_speedup']:.2f}x, "
+            f"policy {info['policy']}, layout transposes added: {info['layout_transposes']}")
+    t = Table(title="subgraphs")
+    for col in ("symbol", "runs on", "ops", "share of work", "why"):
+        t.add_column(col)
+    for p in info["partitions"]:
+        ops = Counter(p["ops"])
+        t.add_row(p["symbol"], "ACL" if p["delegate"] else "TVM",
+                  f"{len(p['ops'])}: " + ", ".join(f"{k} x{v}" for k, v in ops.most_common(6)),
+                  f"{p['est'].get('share', 0):.1%}" if p.get("est") else "-", p["reason"])
+    c.print(t)
+    if info["tvm_ops"]:
+        t = Table(title="ops left to TVM")
+        t.add_column("op")
+        t.add_column("count")
+        t.add_column("why")
+        for (op, why), n in Counter((o["op"], o["reason"]) for o in info["tvm_ops"]).most_common():
+            t.add_row(op, str(n), why)
+        c.print(t)
+
+
+# --- the graph -----------------------------------------------------------------------------------
+
+def graph_of(mod: tvm.IRModule) -> dict:
+    """Nodes (one per op, region ops expanded) and edges of the partitioned main function."""
+    nodes: list[dict] = []
+    edges: list[list[int]] = []
+    producer: dict = {}
+    main = mod["main"]
+    for i, p in enumerate(main.params):
+        nodes.append({"label": f"input {p.name_hint}", "where": "input"})
+        producer[p] = len(nodes) - 1
+
+    def sources(args) -> list[int]:
+        out = []
+        for a in args:
+            if isinstance(a, relax.Tuple):
+                out += sources(a.fields)
+            elif a in producer:
+                out.append(producer[a])
+        return out
+
+    for block in main.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, relax.Call) and isinstance(v.op, relax.GlobalVar):
+                func = mod[v.op]
+                symbol = str(func.attrs["global_symbol"]) if func.attrs and "global_symbol" in func.attrs else v.op.name_hint
+                inner = _region_nodes(func, symbol, sources(v.args), nodes, edges)
+                producer[b.var] = inner
+            elif isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op):
+                nodes.append({"label": v.op.name.removeprefix("relax."), "where": "tvm"})
+                for s in sources(v.args):
+                    edges.append([s, len(nodes) - 1])
+                producer[b.var] = len(nodes) - 1
+            elif isinstance(v, relax.TupleGetItem) and v.tuple_value in producer:
+                producer[b.var] = producer[v.tuple_value]
+            elif isinstance(v, relax.Var) and v in producer:
+                producer[b.var] = producer[v]
+    return {"nodes": nodes, "edges": edges}
+
+
+def _region_nodes(func, symbol, srcs, nodes, edges) -> int:
+    local, prod = {}, {}
+    for p, s in zip(func.params, srcs):
+        prod[p] = s
+    last = srcs[0] if srcs else 0
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if isinstance(b.value, relax.Function):
+                local[b.var] = b.value
+            elif isinstance(b.value, relax.Call) and b.value.op in local:
+                comp = str(local[b.value.op].attrs["Composite"]).removeprefix("acl.")
+                nodes.append({"label": comp, "where": symbol})
+                last = len(nodes) - 1
+                for a in b.value.args:
+                    for x in (a.fields if isinstance(a, relax.Tuple) else [a]):
+                        if x in prod:
+                            edges.append([prod[x], last])
+                prod[b.var] = last
+    return last
+
+
+PALETTE = ["#4e79a7", "#59a14f", "#9c755f", "#edc948", "#b07aa1", "#76b7b2", "#ff9da7", "#af7aa1"]
+
+
+def draw_svg(bundle: hmod.Bundle, path: Path) -> None:
+    g = bundle.manifest.get("graph") or {"nodes": [], "edges": []}
+    nodes, edges = g["nodes"], g["edges"]
+    # Layer = longest path from an input: a readable top-to-bottom layout without graphviz.
+    layer = [0] * len(nodes)
+    for s, d in sorted(edges, key=lambda e: e[1]):
+        layer[d] = max(layer[d], layer[s] + 1)
+    rows: dict[int, list[int]] = {}
+    for i, l in enumerate(layer):
+        rows.setdefault(l, []).append(i)
+    w, h, gx, gy = 150, 26, 20, 22
+    pos = {}
+    width = max((len(r) for r in rows.values()), default=1) * (w + gx) + gx + 220
+    for l, ids in rows.items():
+        for k, i in enumerate(ids):
+            pos[i] = (gx + k * (w + gx), gy + l * (h + gy))
+    height = (max(rows, default=0) + 1) * (h + gy) + gy
+    symbols = sorted({n["where"] for n in nodes if n["where"] not in ("tvm", "input")})
+    color = {"tvm": "#e15759", "input": "#bab0ac", **{s: PALETTE[i % len(PALETTE)] for i, s in enumerate(symbols)}}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">']
+    for s, d in edges:
+        (x1, y1), (x2, y2) = pos[s], pos[d]
+        out.append(f'<line x1="{x1 + w / 2}" y1="{y1 + h}" x2="{x2 + w / 2}" y2="{y2}" stroke="#888"/>')
+    for i, n in enumerate(nodes):
+        x, y = pos[i]
+        out.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" fill="{color[n["where"]]}"/>'
+                   f'<text x="{x + 6}" y="{y + 17}" fill="white">{escape(n["label"][:22])}</text>')
+    lx = width - 210
+    for k, (name, col) in enumerate([("TVM", color["tvm"])] + [(f"ACL {s}", color[s]) for s in symbols]):
+        out.append(f'<rect x="{lx}" y="{gy + k * 20}" width="14" height="14" fill="{col}"/>'
+                   f'<text x="{lx + 20}" y="{gy + k * 20 + 12}">{escape(name)}</text>')
+    out.append("</svg>")
+    Path(path).write_text("\n".join(out))
