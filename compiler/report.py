@@ -70,7 +70,7 @@ def graph_of(mod: tvm.IRModule) -> dict:
     producer: dict = {}
     main = mod["main"]
     for i, p in enumerate(main.params):
-        nodes.append({"label": f"input {p.name_hint}", "where": "input"})
+        nodes.append({"label": f"input {p.name}", "where": "input"})
         producer[p] = len(nodes) - 1
 
     def sources(args) -> list[int]:

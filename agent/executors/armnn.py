@@ -349,6 +349,10 @@ class ArmnnExecutor:
         except Exception as e:
             raise UnsupportedOrder(f"Arm NN cannot load order {self.symbol}: {e}") from None
         self._net_id = net_id
+        # The runtime owns a deep copy of the optimised graph (weights included) from here on;
+        # the INetwork and its weight copies are no longer needed. The numpy arrays behind the
+        # ConstTensors (mostly views of the caller's blob) are kept, as pyarmnn's docs ask.
+        self._net = None
         if load_msgs:
             self.messages.append(str(load_msgs))
         compute = [b for _, t, b in self.layer_backends if t not in ("Input", "Output")]
@@ -541,7 +545,7 @@ class ArmnnExecutor:
     def _permute(self, name: str, slot, in_shape, axes):
         """numpy-style transpose(axes) as an Arm NN Permute (whose mapping is the inverse)."""
         ann = self._ann
-        mapping = [int(i) for i in np.argsort(axes)]
+        mapping = tuple(int(i) for i in np.argsort(axes))  # PermutationVector wants a tuple
         layer = self._net.AddPermuteLayer(ann.PermuteDescriptor(ann.PermutationVector(mapping)), name)
         slot.Connect(layer.GetInputSlot(0))
         return self._set(layer, shape=[in_shape[a] for a in axes])

@@ -1,0 +1,381 @@
+"""An order (docs/bundle-format.md) rendered as an ONNX graph, for the onnxruntime executor.
+
+The device cannot import ``onnx``, so the compiler renders every order here and stores the result
+as ``orders/<symbol>.onnx``. The rendering is a pure function of (order, weights): equal inputs
+give byte-identical models.
+
+Layout: rank-4 order tensors are NHWC and every order tensor keeps its own name and layout in the
+graph. ONNX Conv/MaxPool/AveragePool are NCHW, so they run on a Transpose(0,3,1,2) copy of their
+input and their result is turned back with Transpose(0,2,3,1). Both copies are made lazily and at
+most once per tensor: an NHWC tensor feeding several NCHW ops is transposed once, and an NCHW
+result that only feeds NCHW ops (conv -> conv) is never turned back at all. onnxruntime's
+transpose optimiser removes most of what remains.
+
+Semantics follow the order, i.e. TVM's relax ops that codegen read the attributes from; where an
+ONNX op differs (nearest resize with rounding "round"), the difference is handled below.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from tandoor_agent import hmod
+
+OPSET = 17
+# The IR version that came with opset 17 (onnx 1.12). Every onnxruntime that runs opset 17
+# (>= 1.13, the agent requires >= 1.20) loads it; onnx's own default may be newer than the
+# board's onnxruntime accepts.
+IR_VERSION = 8
+
+TO_NCHW = [0, 3, 1, 2]
+TO_NHWC = [0, 2, 3, 1]
+
+_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul"}
+_GLOBAL_POOL = {"avg": "ReduceMean", "max": "ReduceMax"}
+_POOL = {"avg": "AveragePool", "max": "MaxPool"}
+_COORD_MODES = ("half_pixel", "align_corners", "asymmetric")
+
+# resize2d rounding_method (TVM's names) -> ONNX nearest_mode. TVM's "" means "round" under
+# align_corners and "floor" otherwise (topi.image.resize2d). TVM's "round" rounds half to even,
+# which no ONNX nearest_mode does: it is rendered as round_prefer_ceil when no sampling
+# coordinate is exactly halfway for these sizes (then the two agree), else as two Gathers with
+# TVM's index table (_nearest_indices).
+_NEAREST_MODE = {
+    "round_prefer_floor": "round_prefer_floor",
+    "round_prefer_ceil": "round_prefer_ceil",
+    "floor": "floor",
+    "ceil": "ceil",
+    "round": "round_prefer_ceil",
+}
+
+
+def order_to_onnx(order: dict, weights: bytes) -> onnx.ModelProto:
+    """Render ``order`` with its weights blob as an opset-17 ONNX model.
+
+    Graph inputs and outputs carry the order's names, shapes and dtypes in call order; the
+    weights an op uses become initializers. Raises ValueError for anything the format does not
+    define (unknown op type, activation, pool kind, resize mode, weights outside the blob ...).
+    The result has passed ``onnx.checker.check_model(full_check=True)``.
+    """
+    ver = order.get("order_version")
+    if ver != hmod.ORDER_VERSION:
+        raise ValueError(f"order_version {ver!r} is not supported (expected {hmod.ORDER_VERSION})")
+    r = _Renderer(order, bytes(weights))
+    for i, op in enumerate(order["ops"]):
+        kind = op.get("type")
+        fn = getattr(r, f"_op_{kind}", None) if isinstance(kind, str) else None
+        if fn is None:
+            raise ValueError(f"order {order.get('symbol')!r}: op {i} has type {kind!r}, which has no ONNX rendering")
+        fn(op)
+    for o in order["outputs"]:
+        r.nhwc(o["name"])
+
+    graph = helper.make_graph(
+        r.nodes, str(order.get("symbol") or "order"),
+        [_value_info(t) for t in order["inputs"]],
+        [_value_info(t) for t in order["outputs"]],
+        initializer=r.inits,
+        value_info=[_value_info({"name": n, **t}) for n, t in order["tensors"].items()
+                    if n in r.materialized and n not in r.io_names],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                              ir_version=IR_VERSION, producer_name="tandoor",
+                              doc_string=f"tandoor order {order.get('symbol')}")
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _value_info(t: dict) -> onnx.ValueInfoProto:
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(t["dtype"]))
+    return helper.make_tensor_value_info(t["name"], elem, [int(d) for d in t["shape"]])
+
+
+def _pads(p, what: str) -> list[int]:
+    """[top, left, bottom, right] (TVM also allows [all] and [h, w]) -> ONNX pads, same order."""
+    p = [int(x) for x in p]
+    if len(p) == 1:
+        p = p * 4
+    elif len(p) == 2:
+        p = p * 2
+    if len(p) != 4:
+        raise ValueError(f"{what}: padding {p} is not [top, left, bottom, right]")
+    return p
+
+
+class _Renderer:
+    def __init__(self, order: dict, blob: bytes) -> None:
+        self.order, self.blob = order, blob
+        self.tensors: dict[str, dict] = order["tensors"]
+        self.wtable: dict[str, dict] = order.get("weights") or {}
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.io_names = {t["name"] for t in order["inputs"]} | {t["name"] for t in order["outputs"]}
+        self.taken = set(self.tensors) | set(self.wtable) | self.io_names
+        self.materialized = {t["name"] for t in order["inputs"]}  # NHWC value under its own name
+        self.nchw: dict[str, str] = {}      # order tensor -> its NCHW copy
+        self.cache: dict[tuple, str] = {}   # (weight, transform) -> initializer name
+
+    # --- names, initializers, nodes ---------------------------------------------------------
+
+    def fresh(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.taken:
+            name, k = f"{base}_{k}", k + 1
+        self.taken.add(name)
+        return name
+
+    def const(self, array: np.ndarray, base: str) -> str:
+        name = self.fresh(base)
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def weight(self, op: dict, role: str, transform=None, tag: str = "") -> str | None:
+        """Initializer name of the op's weight ``role`` (None if absent), optionally transformed."""
+        name = (op.get("weights") or {}).get(role)
+        if name is None:
+            return None
+        key = (name, tag)
+        if key not in self.cache:
+            a = self.array(name)
+            if transform is not None:
+                a = transform(a)
+            if tag:
+                self.cache[key] = self.const(a, f"{name}__{tag}")
+            else:
+                self.taken.add(name)
+                self.inits.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
+                self.cache[key] = name
+        return self.cache[key]
+
+    def array(self, name: str) -> np.ndarray:
+        w = self.wtable.get(name)
+        if w is None:
+            raise ValueError(f"weight {name!r} is not in the order's weights table")
+        dt = np.dtype(w["dtype"]).newbyteorder("<")
+        shape = [int(d) for d in w["shape"]]
+        count = int(np.prod(shape, dtype=np.int64))
+        off, nbytes = int(w["offset"]), int(w["nbytes"])
+        if nbytes != count * dt.itemsize or off < 0 or off + nbytes > len(self.blob):
+            raise ValueError(f"weight {name!r}: {nbytes} bytes at offset {off} do not hold {shape} "
+                             f"{w['dtype']} inside a {len(self.blob)}-byte blob")
+        return np.frombuffer(self.blob, dt, count, off).reshape(shape).astype(dt.newbyteorder("="))
+
+    def node(self, op_type: str, inputs: list[str], output: str, **attrs) -> str:
+        self.nodes.append(helper.make_node(op_type, inputs, [output], **attrs))
+        return output
+
+    def shape(self, t: str) -> list[int]:
+        return [int(d) for d in self.tensors[t]["shape"]]
+
+    # --- layouts ----------------------------------------------------------------------------
+
+    def nhwc(self, t: str) -> str:
+        """The order tensor ``t`` in the order's layout, under its own name."""
+        if t not in self.materialized:
+            if t not in self.nchw:
+                raise ValueError(f"tensor {t!r} is used before any op produces it")
+            self.node("Transpose", [self.nchw[t]], t, perm=TO_NHWC)
+            self.materialized.add(t)
+        return t
+
+    def to_nchw(self, t: str) -> str:
+        if len(self.shape(t)) != 4:
+            raise ValueError(f"tensor {t!r} of shape {self.shape(t)} is not NHWC")
+        if t not in self.nchw:
+            self.nchw[t] = self.node("Transpose", [self.nhwc(t)], self.fresh(f"{t}__nchw"), perm=TO_NCHW)
+        return self.nchw[t]
+
+    def produce_nchw(self, op: dict, value: str, act: dict | None) -> None:
+        out = op["output"]
+        if out in self.materialized or out in self.nchw:
+            raise ValueError(f"tensor {out!r} is produced twice")
+        self.nchw[out] = self.activation(act, value, self.fresh(f"{out}__nchw")) if act else value
+
+    # --- activations ------------------------------------------------------------------------
+
+    def activation(self, act: dict, x: str, y: str) -> str:
+        kind = act.get("kind")
+        if kind == "relu":
+            return self.node("Relu", [x], y)
+        if kind == "clip":
+            lo = self.const(np.array(act["min"], np.float32), f"{y}__min") if act.get("min") is not None else ""
+            hi = self.const(np.array(act["max"], np.float32), f"{y}__max") if act.get("max") is not None else ""
+            return self.node("Clip", [x, lo, hi], y)
+        if kind == "sigmoid":
+            return self.node("Sigmoid", [x], y)
+        if kind == "tanh":
+            return self.node("Tanh", [x], y)
+        if kind == "hardswish":
+            return self.node("HardSwish", [x], y)
+        if kind == "leaky_relu":
+            return self.node("LeakyRelu", [x], y, alpha=float(act.get("alpha", 0.01)))
+        raise ValueError(f"activation kind {kind!r} has no ONNX rendering")
+
+    def target(self, op: dict, act: dict | None, tag: str) -> str:
+        """Where an op writes its value: the output itself, or a temporary if an activation follows."""
+        return self.fresh(f"{op['output']}__{tag}") if act else self.output(op)
+
+    def output(self, op: dict) -> str:
+        out = op["output"]
+        if out in self.materialized or out in self.nchw:
+            raise ValueError(f"tensor {out!r} is produced twice")
+        self.materialized.add(out)
+        return out
+
+    def finish(self, op: dict, value: str, act: dict | None) -> None:
+        if act:
+            self.activation(act, value, self.output(op))
+
+    # --- ops --------------------------------------------------------------------------------
+
+    def _op_conv2d(self, op: dict) -> None:
+        a = op["attrs"]
+        x = op["inputs"][0]
+        cin = self.shape(x)[3]
+        groups = int(a.get("groups", 1))
+        kernel = self.array(op["weights"]["kernel"])  # OHWI; depthwise [C*M, KH, KW, 1] is OHWI too
+        if kernel.ndim != 4 or kernel.shape[3] * groups != cin or kernel.shape[0] % groups:
+            raise ValueError(f"conv2d -> {op['output']}: kernel {list(kernel.shape)} with groups={groups} "
+                             f"does not fit {cin} input channels")
+        if a.get("depthwise") and groups != cin:
+            raise ValueError(f"conv2d -> {op['output']}: depthwise with groups={groups} != {cin} channels")
+        w = self.weight(op, "kernel", lambda k: k.transpose(0, 3, 1, 2), "oihw")
+        ins = [self.to_nchw(x), w]
+        b = self.weight(op, "bias", lambda v: v.reshape(-1))
+        if b is not None:
+            ins.append(b)
+        y = self.node("Conv", ins, self.fresh(f"{op['output']}__conv"),
+                      kernel_shape=list(kernel.shape[1:3]),
+                      strides=[int(s) for s in a.get("strides", [1, 1])],
+                      pads=_pads(a.get("padding", [0]), f"conv2d -> {op['output']}"),
+                      dilations=[int(d) for d in a.get("dilation", [1, 1])], group=groups)
+        self.produce_nchw(op, y, a.get("activation"))
+
+    def _op_dense(self, op: dict) -> None:
+        x = op["inputs"][0]
+        act = op["attrs"].get("activation")
+        b = self.weight(op, "bias", lambda v: v.reshape(-1))
+        out = op["output"]
+        if len(self.shape(x)) == 2:
+            w = self.weight(op, "kernel")
+            y = self.node("Gemm", [self.nhwc(x), w] + ([b] if b else []), self.target(op, act, "gemm"), transB=1)
+        else:
+            w = self.weight(op, "kernel", lambda k: k.T, "t")
+            if b is None:
+                y = self.node("MatMul", [self.nhwc(x), w], self.target(op, act, "matmul"))
+            else:
+                y = self.node("MatMul", [self.nhwc(x), w], self.fresh(f"{out}__matmul"))
+                y = self.node("Add", [y, b], self.target(op, act, "bias"))
+        self.finish(op, y, act)
+
+    def _op_activation(self, op: dict) -> None:
+        act = op["attrs"].get("activation")
+        if not act:
+            raise ValueError(f"activation -> {op['output']}: no activation given")
+        self.activation(act, self.nhwc(op["inputs"][0]), self.output(op))
+
+    def _op_pool2d(self, op: dict) -> None:
+        a = op["attrs"]
+        kind = a.get("kind")
+        if kind not in _POOL:
+            raise ValueError(f"pool2d kind {kind!r} has no ONNX rendering")
+        attrs = dict(kernel_shape=[int(k) for k in a["pool_size"]],
+                     strides=[int(s) for s in a.get("strides", [1, 1])],
+                     pads=_pads(a.get("padding", [0]), f"pool2d -> {op['output']}"),
+                     ceil_mode=int(bool(a.get("ceil_mode", False))))
+        if kind == "avg":
+            attrs["count_include_pad"] = int(bool(a.get("count_include_pad", False)))
+        y = self.node(_POOL[kind], [self.to_nchw(op["inputs"][0])], self.fresh(f"{op['output']}__pool"), **attrs)
+        self.produce_nchw(op, y, None)
+
+    def _op_global_pool2d(self, op: dict) -> None:
+        kind = op["attrs"].get("kind")
+        if kind not in _GLOBAL_POOL:
+            raise ValueError(f"global_pool2d kind {kind!r} has no ONNX rendering")
+        self.node(_GLOBAL_POOL[kind], [self.nhwc(op["inputs"][0])], self.output(op), axes=[1, 2], keepdims=1)
+
+    def _op_binary(self, op: dict) -> None:
+        kind = op["attrs"].get("kind")
+        if kind not in _BINARY:
+            raise ValueError(f"binary kind {kind!r} has no ONNX rendering")
+        it = iter(op["inputs"])
+        operands = []
+        for role in ("lhs", "rhs"):
+            w = self.weight(op, role)
+            if w is None:
+                t = next(it, None)
+                if t is None:
+                    raise ValueError(f"binary -> {op['output']}: no {role} operand")
+                w = self.nhwc(t)
+            operands.append(w)
+        if next(it, None) is not None:
+            raise ValueError(f"binary -> {op['output']}: more inputs than operands")
+        self.node(_BINARY[kind], operands, self.output(op))
+
+    def _op_concat(self, op: dict) -> None:
+        self.node("Concat", [self.nhwc(t) for t in op["inputs"]], self.output(op), axis=int(op["attrs"]["axis"]))
+
+    def _op_reshape(self, op: dict) -> None:
+        shape = np.array([int(d) for d in op["attrs"]["shape"]], np.int64)
+        s = self.const(shape, f"{op['output']}__shape")
+        # allowzero: a 0 in the order's shape is a real 0, not ONNX's "copy this dim"
+        self.node("Reshape", [self.nhwc(op["inputs"][0]), s], self.output(op), allowzero=int(bool((shape == 0).any())))
+
+    def _op_softmax(self, op: dict) -> None:
+        self.node("Softmax", [self.nhwc(op["inputs"][0])], self.output(op), axis=int(op["attrs"]["axis"]))
+
+    def _op_transpose(self, op: dict) -> None:
+        self.node("Transpose", [self.nhwc(op["inputs"][0])], self.output(op), perm=[int(p) for p in op["attrs"]["axes"]])
+
+    def _op_resize2d(self, op: dict) -> None:
+        a = op["attrs"]
+        x, out = op["inputs"][0], op["output"]
+        n, h, w, c = self.shape(x)
+        oh, ow = (int(s) for s in a["size"])
+        ctm = a.get("coordinate_transformation_mode", "half_pixel")
+        if ctm not in _COORD_MODES:
+            raise ValueError(f"resize2d coordinate_transformation_mode {ctm!r} has no ONNX rendering")
+        method = a.get("method")
+        attrs = {"coordinate_transformation_mode": ctm}
+        if method == "linear":
+            attrs["mode"] = "linear"
+        elif method == "nearest":
+            rounding = a.get("rounding_method", "")
+            if rounding == "":
+                rounding = "round" if ctm == "align_corners" else "floor"
+            if rounding not in _NEAREST_MODE:
+                raise ValueError(f"resize2d rounding_method {rounding!r} has no ONNX rendering")
+            if rounding == "round" and (_has_tie(h, oh, ctm) or _has_tie(w, ow, ctm)):
+                # half-to-even at a tie: gather with TVM's exact indices instead
+                ih = self.const(_nearest_indices(h, oh, ctm), f"{out}__rows")
+                iw = self.const(_nearest_indices(w, ow, ctm), f"{out}__cols")
+                y = self.node("Gather", [self.nhwc(x), ih], self.fresh(f"{out}__gather"), axis=1)
+                self.node("Gather", [y, iw], self.output(op), axis=2)
+                return
+            attrs.update(mode="nearest", nearest_mode=_NEAREST_MODE[rounding])
+        else:
+            raise ValueError(f"resize2d method {method!r} has no ONNX rendering")
+        sizes = self.const(np.array([n, oh, ow, c], np.int64), f"{out}__sizes")
+        self.node("Resize", [self.nhwc(x), "", "", sizes], self.output(op), **attrs)
+
+
+def _coords(size: int, out: int, ctm: str) -> list[Fraction]:
+    """Exact source coordinates of output positions 0..out-1 (TVM's and ONNX's formulas)."""
+    if ctm == "align_corners":
+        return [Fraction(x * (size - 1), out - 1) if out > 1 else Fraction(0) for x in range(out)]
+    if ctm == "asymmetric":
+        return [Fraction(x * size, out) for x in range(out)]
+    return [(x + Fraction(1, 2)) * Fraction(size, out) - Fraction(1, 2) for x in range(out)]  # half_pixel
+
+
+def _has_tie(size: int, out: int, ctm: str) -> bool:
+    return any(c - (c.numerator // c.denominator) == Fraction(1, 2) for c in _coords(size, out, ctm))
+
+
+def _nearest_indices(size: int, out: int, ctm: str) -> np.ndarray:
+    """TVM's rounding "round" (half to even), clamped into the input."""
+    return np.array([min(max(round(c), 0), size - 1) for c in _coords(size, out, ctm)], np.int64)
