@@ -4,14 +4,21 @@ per delegated order (armnn | onnxruntime | tvm).
 The VM resolves call_dps_packed names when it is created, from the process-wide function
 registry; so executors are registered first, then the VM is made. A later module registering
 the same symbol does not disturb a VM already created (it holds the old function).
+
+Executors share one small interface: ``run_into(inputs, outputs)`` with numpy views of the VM's
+DPS buffers (outputs written in place where the library allows), ``backend`` (what really runs
+it), and ``last_run_ns`` (the time spent inside the library call itself during the last
+``run_into``). The delegate wrapper times the whole call; the difference is the bridge overhead
+(dlpack views, wrapping buffers for the library, copies), reported per subgraph as ``bridge_us``.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +28,21 @@ from . import hmod
 log = logging.getLogger("tandoor.runtime")
 
 EXECUTORS = ("armnn", "onnxruntime", "tvm")
+DEFAULT_ARMNN_BACKENDS = ("CpuAcc", "GpuAcc", "CpuRef")
 
 
 class RuntimeError_(Exception):
-    """Cannot run this bundle here (no usable executor, bad inputs). One-line message."""
+    """Cannot run this bundle here (no usable executor, bad inputs, inference failed). One line."""
 
     exit_code = 3
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(" ".join(str(msg).split()))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 @dataclass
@@ -37,10 +53,29 @@ class Subgraph:
     fallback_reason: str | None = None
     calls: int = 0
     seconds: float = 0.0
+    # per call, nanoseconds: whole delegate call, and the library's own run inside it
+    total_ns: list[int] = field(default_factory=list)
+    run_ns: list[int] = field(default_factory=list)
+
+    def record(self, total: int, run: int) -> None:
+        self.calls += 1
+        self.seconds += total / 1e9
+        self.total_ns.append(total)
+        self.run_ns.append(run)
+
+    def bridge_us(self) -> float | None:
+        """Median per-call overhead of the bridge: delegate call minus the library's run."""
+        if not self.total_ns:
+            return None
+        return statistics.median(t - r for t, r in zip(self.total_ns, self.run_ns)) / 1e3
+
+    def run_us(self) -> float | None:
+        return statistics.median(self.run_ns) / 1e3 if self.run_ns else None
 
 
 def _build_executor(kind: str, bundle: hmod.Bundle, symbol: str, order: dict, target: str, workdir: Path,
                     armnn_backends: tuple[str, ...]):
+    part = next((p for p in bundle.manifest.get("partitions", []) if p.get("symbol") == symbol), {})
     if kind == "armnn":
         from .executors import armnn
 
@@ -54,12 +89,11 @@ def _build_executor(kind: str, bundle: hmod.Bundle, symbol: str, order: dict, ta
         ok, why = ort.available()
         if not ok:
             raise RuntimeError_(why)
-        part = next(p for p in bundle.manifest["partitions"] if p["symbol"] == symbol)
         return ort.OrtExecutor(order, bundle.read(part.get("onnx") or f"orders/{symbol}.onnx"))
     if kind == "tvm":
         from .executors.tvm_exec import TvmExecutor
 
-        member = bundle.manifest["targets"][target].get("fallback", {}).get(symbol)
+        member = (bundle.manifest["targets"][target].get("fallback") or {}).get(symbol)
         if not member:
             raise RuntimeError_(f"the bundle has no TVM fallback for {symbol} on {target}")
         path = workdir / member.replace("/", "_")
@@ -69,18 +103,28 @@ def _build_executor(kind: str, bundle: hmod.Bundle, symbol: str, order: dict, ta
 
 
 class HybridModule:
-    def __init__(self, bundle: hmod.Bundle, delegate: str = "auto",
-                 armnn_backends: tuple[str, ...] = ("CpuAcc", "GpuAcc", "CpuRef"),
-                 workdir: Path | None = None) -> None:
-        import tvm
-        import tvm_ffi
-        from tvm import relax
+    """A verified bundle made runnable: one executor per delegated order, then the VM.
 
+    ``delegate`` is ``auto`` (armnn > onnxruntime > tvm, the first that can build each order)
+    or one executor name, which is tried first for every order; an order it cannot build falls
+    back to the others in the auto order, logged once with the reason and reported in
+    ``describe()[i]["fallback_reason"]``.
+    """
+
+    def __init__(self, bundle: hmod.Bundle, delegate: str = "auto",
+                 armnn_backends: tuple[str, ...] = DEFAULT_ARMNN_BACKENDS,
+                 workdir: Path | None = None) -> None:
         if delegate not in ("auto", *EXECUTORS):
             raise RuntimeError_(f"unknown --delegate {delegate!r}; choose from auto, {', '.join(EXECUTORS)}")
         self.bundle = bundle
         self.manifest = bundle.manifest
+        # First, before anything is written, imported or built: is there a lib for this machine?
         self.target = bundle.lib_for()
+
+        import tvm
+        import tvm_ffi
+        from tvm import relax
+
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="tandoor-run-")
@@ -89,43 +133,56 @@ class HybridModule:
         self.subgraphs: list[Subgraph] = []
         self._executors = {}
         preference = list(EXECUTORS) if delegate == "auto" else [delegate] + [e for e in EXECUTORS if e != delegate]
-        for part in self.manifest.get("partitions", []):
-            if not part.get("delegate"):
-                continue
-            symbol = part["symbol"]
-            order = bundle.order(symbol)
-            reasons = []
-            for kind in preference:
-                try:
-                    ex = _build_executor(kind, bundle, symbol, order, self.target, workdir, armnn_backends)
-                except Exception as err:  # any failure -> next executor, said once
-                    reasons.append(f"{kind}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        try:
+            for part in self.manifest.get("partitions", []):
+                if not part.get("delegate"):
                     continue
-                sg = Subgraph(symbol, kind, getattr(ex, "backend", "?"), "; ".join(reasons) or None)
-                if reasons:
-                    log.warning("%s runs on %s (fallback: %s)", symbol, kind, sg.fallback_reason)
-                self.subgraphs.append(sg)
-                self._executors[symbol] = ex
-                tvm_ffi.register_global_func(symbol, self._make_delegate(ex, sg, len(order["inputs"])), override=True)
-                break
-            else:
-                raise RuntimeError_(f"no executor can run {symbol}: " + "; ".join(reasons))
-        lib_path = workdir / f"{self.target}.so"
-        lib_path.write_bytes(bundle.read(self.manifest["targets"][self.target]["lib"]))
-        self.dev = tvm.cpu()
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+                symbol = part["symbol"]
+                order = bundle.order(symbol)
+                reasons = []
+                for kind in preference:
+                    try:
+                        ex = _build_executor(kind, bundle, symbol, order, self.target, workdir, armnn_backends)
+                    except hmod.BundleError:
+                        raise  # the bundle itself is bad: not a reason to try another executor
+                    except Exception as err:  # this executor cannot build it -> the next one
+                        reasons.append(f"{kind}: {_first_line(err)}")
+                        continue
+                    sg = Subgraph(symbol, kind, str(getattr(ex, "backend", "?")), "; ".join(reasons) or None)
+                    if reasons:
+                        log.warning("%s runs on %s (fallback: %s)", symbol, kind, sg.fallback_reason)
+                    else:
+                        log.info("%s runs on %s (%s)", symbol, kind, sg.backend)
+                    self.subgraphs.append(sg)
+                    self._executors[symbol] = ex
+                    tvm_ffi.register_global_func(symbol, self._make_delegate(ex, sg, len(order["inputs"])),
+                                                 override=True)
+                    break
+                else:
+                    raise RuntimeError_(f"no executor can run {symbol}: " + "; ".join(reasons))
+            lib_path = workdir / f"{self.target}.so"
+            lib_path.write_bytes(bundle.read(self.manifest["targets"][self.target]["lib"]))
+            self.dev = tvm.cpu()
+            try:
+                self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+            except Exception as err:
+                raise RuntimeError_(f"cannot load the {self.target} lib: {_first_line(err)}") from None
+        except BaseException:
+            self.close()
+            raise
         self._tvm = tvm
         self.inputs = self.manifest["inputs"]
 
     @staticmethod
     def _make_delegate(ex, sg: Subgraph, n_in: int):
+        clock = time.perf_counter_ns
+
         def call(*args):
-            # DPS: inputs then outputs; dlpack gives zero-copy numpy views of TVM's buffers.
-            t0 = time.perf_counter()
+            # DPS: inputs then outputs; dlpack gives zero-copy numpy views of the VM's buffers.
+            t0 = clock()
             views = [np.from_dlpack(a) for a in args]
             ex.run_into(views[:n_in], views[n_in:])
-            sg.calls += 1
-            sg.seconds += time.perf_counter() - t0
+            sg.record(clock() - t0, ex.last_run_ns)
 
         return call
 
@@ -137,17 +194,41 @@ class HybridModule:
             a = np.asarray(a)
             if list(a.shape) != list(spec["shape"]):
                 raise RuntimeError_(f"input {spec['name']} must have shape {spec['shape']}, got {list(a.shape)}")
+            if a.dtype != np.dtype(spec["dtype"]) and not np.can_cast(a.dtype, spec["dtype"], "same_kind"):
+                raise RuntimeError_(f"input {spec['name']} must be {spec['dtype']}, got {a.dtype}")
             args.append(self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=spec["dtype"]), self.dev))
-        out = self.vm["main"](*args)
+        try:
+            out = self.vm["main"](*args)
+        except Exception as err:
+            raise RuntimeError_(f"inference failed: {_first_line(err)}") from None
         if hasattr(out, "numpy"):
             return [out.numpy()]
         return [o.numpy() for o in out]
 
     def describe(self) -> list[dict]:
-        return [{"symbol": s.symbol, "executor": s.executor, "backend": s.backend,
-                 **({"fallback_reason": s.fallback_reason} if s.fallback_reason else {})} for s in self.subgraphs]
+        out = []
+        for s in self.subgraphs:
+            d = {"symbol": s.symbol, "executor": s.executor, "backend": s.backend}
+            if s.fallback_reason:
+                d["fallback_reason"] = s.fallback_reason
+            if s.calls:
+                d.update(calls=s.calls, run_us=round(s.run_us(), 1), bridge_us=round(s.bridge_us(), 1))
+            out.append(d)
+        return out
+
+    def reset_stats(self) -> None:
+        for s in self.subgraphs:
+            s.calls, s.seconds, s.total_ns, s.run_ns = 0, 0.0, [], []
 
     def close(self) -> None:
+        for ex in self._executors.values():
+            closer = getattr(ex, "close", None)
+            if closer is not None:
+                try:
+                    closer()
+                except Exception:
+                    pass
+        self._executors = {}
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -108,6 +108,15 @@ def check_pool2d(call: relax.Call) -> str | None:
     pad = [int(x) for x in call.attrs.padding]
     if pad[0] >= size[0] or pad[2] >= size[0] or pad[1] >= size[1] or pad[3] >= size[1]:
         return f"pool padding {pad} not smaller than the window {size} (ACL refuses it)"
+    if bool(call.attrs.ceil_mode):
+        # ONNX drops a last window that starts inside the bottom/right padding; ACL does not.
+        shape = _shape(call.args[0])
+        strides = [int(x) for x in call.attrs.strides]
+        for ax, (lo, hi) in ((1, (pad[0], pad[2])), (2, (pad[1], pad[3]))):
+            n, k, st = shape[ax], size[ax - 1], strides[ax - 1]
+            out = -(-(n + lo + hi - k) // st) + 1
+            if (out - 1) * st >= n + lo:
+                return "ceil_mode pooling whose last window starts in the padding: ACL and ONNX disagree on its size"
     return None
 
 
@@ -192,11 +201,17 @@ def check_resize(call: relax.Call) -> str | None:
         return f"resize in {a.layout}"
     if a.method not in ("nearest_neighbor", "linear"):
         return f"resize method {a.method}: ACL has nearest and bilinear only"
-    if a.coordinate_transformation_mode not in ("half_pixel", "align_corners", "asymmetric"):
-        return f"resize coordinate mode {a.coordinate_transformation_mode} has no ACL equivalent"
-    if a.method == "nearest_neighbor" and a.rounding_method not in ("", "round_prefer_ceil", "floor", "round"):
-        return f"resize rounding {a.rounding_method}"
+    mode, rounding = str(a.coordinate_transformation_mode), str(a.rounding_method)
+    if a.method == "linear" and mode not in ("half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"):
+        return f"bilinear resize with coordinate mode {mode} has no ACL equivalent"
+    # Nearest: only the (mode, rounding) pairs whose index maps match ACL's for every size.
+    if a.method == "nearest_neighbor" and (mode, rounding) not in NEAREST_OK:
+        return f"nearest resize with {mode}/{rounding or 'default'} rounding picks other pixels than ACL"
     return None
+
+
+NEAREST_OK = {("asymmetric", "floor"), ("half_pixel", "round_prefer_ceil"), ("align_corners", "round_prefer_ceil"),
+              ("tf_half_pixel_for_nn", "floor")}
 
 
 def check_transpose(call: relax.Call) -> str | None:

@@ -37,7 +37,8 @@ TO_NHWC = [0, 2, 3, 1]
 _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul"}
 _GLOBAL_POOL = {"avg": "ReduceMean", "max": "ReduceMax"}
 _POOL = {"avg": "AveragePool", "max": "MaxPool"}
-_COORD_MODES = ("half_pixel", "align_corners", "asymmetric")
+# TVM's coordinate_transformation_mode values that mean the same in ONNX Resize-13
+_COORD_MODES = ("half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel", "tf_half_pixel_for_nn")
 
 # resize2d rounding_method (TVM's names) -> ONNX nearest_mode. TVM's "" means "round" under
 # align_corners and "floor" otherwise (topi.image.resize2d). TVM's "round" rounds half to even,
@@ -369,6 +370,10 @@ def _coords(size: int, out: int, ctm: str) -> list[Fraction]:
         return [Fraction(x * (size - 1), out - 1) if out > 1 else Fraction(0) for x in range(out)]
     if ctm == "asymmetric":
         return [Fraction(x * size, out) for x in range(out)]
+    if ctm == "tf_half_pixel_for_nn":
+        return [(x + Fraction(1, 2)) * Fraction(size, out) for x in range(out)]
+    if ctm == "pytorch_half_pixel" and out == 1:
+        return [Fraction(0)]
     return [(x + Fraction(1, 2)) * Fraction(size, out) - Fraction(1, 2) for x in range(out)]  # half_pixel
 
 

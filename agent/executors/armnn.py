@@ -36,6 +36,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -291,6 +292,7 @@ class ArmnnExecutor:
         if isinstance(preferred, str):
             preferred = (preferred,)
         self.symbol = str(order.get("symbol", "?"))
+        self.last_run_ns = 0  # time inside EnqueueWorkload during the last run_into
         self._net_id: int | None = None
         self._keep: list[Any] = []  # numpy arrays behind every ConstTensor
         self._slots: dict[str, Any] = {}
@@ -407,7 +409,9 @@ class ArmnnExecutor:
                 t = ann.Tensor(self._out_infos[j])
                 copies.append((out, t))
             out_tensors.append((j, t))
+        t0 = time.perf_counter_ns()
         self._runtime.EnqueueWorkload(self._net_id, in_tensors, out_tensors)
+        self.last_run_ns = time.perf_counter_ns() - t0
         for out, t in copies:
             np.copyto(out, t.get_memory_area().reshape(out.shape), casting="same_kind")
 

@@ -1,8 +1,14 @@
 """The tvm executor: the order's region compiled by TVM into the bundle, for boards that have
-neither Arm NN nor onnxruntime. Slow (untuned loops) but always there."""
+neither Arm NN nor onnxruntime. Slow (untuned loops) but always there.
+
+Inputs are handed to the fallback VM as dlpack views of the caller's buffers (no copy); the
+fallback function allocates its own result (it is not in DPS form), which is copied once into
+the caller's output buffer.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +23,24 @@ class TvmExecutor:
 
         self.dev = tvm.cpu()
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+        self._main = self.vm["main"]
         self.backend = "llvm"
+        self.last_run_ns = 0
         self._tvm = tvm
+        self._from_dlpack = tvm.runtime.from_dlpack
+
+    def _call(self, args):
+        t0 = time.perf_counter_ns()
+        out = self._main(*args)
+        self.last_run_ns = time.perf_counter_ns() - t0
+        return list(out) if not hasattr(out, "numpy") else [out]
 
     def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        args = [self._tvm.runtime.tensor(np.ascontiguousarray(a), self.dev) for a in inputs]
-        out = self.vm["main"](*args)
-        outs = list(out) if isinstance(out, (list, tuple)) or hasattr(out, "__len__") and not hasattr(out, "numpy") else [out]
-        return [o.numpy() for o in outs]
+        args = [self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=np.float32), self.dev) for a in inputs]
+        return [o.numpy() for o in self._call(args)]
 
     def run_into(self, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
-        for dst, src in zip(outputs, self.run(inputs)):
-            np.copyto(dst, src.reshape(dst.shape))
+        args = [self._from_dlpack(a) if a.flags.c_contiguous and a.dtype == np.float32
+                else self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=np.float32), self.dev) for a in inputs]
+        for dst, src in zip(outputs, self._call(args)):
+            np.copyto(dst, np.from_dlpack(src).reshape(dst.shape))

@@ -1,0 +1,69 @@
+# Shared by scripts/board/*.sh (sourced, not run). Paths, logging, locking, safety checks.
+#
+# Env:
+#   TANDOOR_CACHE          cache root (default ~/.cache/tandoor); the board lives in $TANDOOR_CACHE/board
+#   TANDOOR_BOARD_ROOT     the unpacked rootfs (default $TANDOOR_CACHE/board/rootfs)
+#   TANDOOR_BOARD_CPUINFO  the /proc/cpuinfo the board sees (default: 2 x Cortex-A76)
+
+BOARD_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+SRC_ROOT="$(cd "$BOARD_DIR/../.." && pwd)"
+CACHE="${TANDOOR_CACHE:-$HOME/.cache/tandoor}/board"
+ROOTFS="${TANDOOR_BOARD_ROOT:-$CACHE/rootfs}"
+CPUINFO="${TANDOOR_BOARD_CPUINFO:-$BOARD_DIR/cpuinfo-cortex-a76}"
+LOCK="$CACHE/lock"
+VENV_IN_BOARD=/opt/tandoor/venv
+SRC_IN_BOARD=/opt/tandoor/src
+# exit status meaning "this machine cannot run the arm64 board" (tests skip on it)
+EXIT_CANNOT=77
+
+_T0=$SECONDS
+say() { printf '[board %3ds] %s\n' "$((SECONDS - _T0))" "$*" >&2; }
+die() { printf '[board] error: %s\n' "$*" >&2; exit 1; }
+cannot() { printf '[board] cannot run an arm64 board here: %s\n' "$*" >&2; exit "$EXIT_CANNOT"; }
+
+# Mount points at or below $1 in this mount namespace (mountinfo escapes spaces as \040).
+mounts_under() {
+  local dir
+  dir="$(realpath -m "$1")"
+  awk -v d="$dir" '{ m = $5; gsub(/\\040/, " ", m); if (m == d || index(m, d "/") == 1) print m }' /proc/self/mountinfo
+}
+
+# rm -rf a rootfs, but never one with anything mounted in it (a live rbind of /dev would take
+# the host's device nodes with it). Board commands mount inside their own private namespace, so
+# a mount seen here is a leftover of a crashed build: refuse and say so, never unmount for the user.
+safe_rm_rootfs() {
+  local dir="$1" live
+  [[ -e "$dir" ]] || return 0
+  [[ "$(realpath -m "$dir")" != / ]] || die "refusing to remove /"
+  live="$(mounts_under "$dir")"
+  if [[ -n "$live" ]]; then
+    die "$dir has live mounts; not removing it. Unmount them first (umount -R --lazy needs care with /dev):
+$live"
+  fi
+  rm -rf --one-file-system -- "$dir"
+}
+
+# Make this x86 machine run arm64 ELF binaries through qemu-user (binfmt_misc, F flag).
+ensure_binfmt() {
+  [[ "$(uname -m)" == aarch64 ]] && return 0
+  local bm=/proc/sys/fs/binfmt_misc
+  if [[ ! -e $bm/status ]]; then
+    mount -t binfmt_misc binfmt_misc "$bm" 2>/dev/null ||
+      cannot "binfmt_misc is not mounted and cannot be mounted (a container without privileges?)"
+  fi
+  if [[ ! -e $bm/qemu-aarch64 ]]; then
+    command -v update-binfmts >/dev/null || cannot "qemu-aarch64 is not registered with binfmt_misc and update-binfmts is missing (apt-get install qemu-user-static binfmt-support)"
+    update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || update-binfmts --import qemu-aarch64 >/dev/null 2>&1 || true
+    [[ -e $bm/qemu-aarch64 ]] || cannot "could not register qemu-aarch64 with binfmt_misc"
+  fi
+  grep -q '^enabled' $bm/qemu-aarch64 || echo 1 > $bm/qemu-aarch64 ||
+    cannot "qemu-aarch64 is registered but disabled"
+  # F (fix binary): the kernel opens the interpreter at registration, so it works inside a
+  # chroot that has no qemu in it.
+  grep -q '^flags:.*F' $bm/qemu-aarch64 ||
+    cannot "qemu-aarch64 is registered without the F flag; reinstall qemu-user-static (Debian's registers with F)"
+}
+
+need_root() {
+  [[ $(id -u) -eq 0 ]] || cannot "needs root (mmdebstrap --mode=root, mount namespaces, chroot); run as root"
+}

