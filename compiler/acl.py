@@ -222,6 +222,11 @@ def check_transpose(call: relax.Call) -> str | None:
     return None
 
 
+def _num(v) -> float:
+    """A PrimValue/IntImm/FloatImm clip bound as a float."""
+    return float(v.value) if hasattr(v, "value") else float(v)
+
+
 def _is_const(e: relax.Expr) -> bool:
     import tvm
 
@@ -314,11 +319,52 @@ def _dense_pattern() -> DFPattern:
     return is_op("relax.matmul")(wildcard(), is_const())
 
 
+def _hardswish_rules() -> list[Rule]:
+    """Hard-swish in the forms it reaches Relax: x * clip(x + 3, 0, 6) / 6 (TVM's import of ONNX
+    HardSwish, either association) and x * clip(x / 6 + 0.5, 0, 1) (HardSigmoid times x, as
+    onnxruntime's folding leaves it), operands in either order."""
+    out = []
+    for variant in ("mul_div", "div_mul", "hsig", "hsig_r"):
+        x, a, b = wildcard(), is_const(), is_const()
+        if variant in ("mul_div", "div_mul"):
+            clip = is_op("relax.clip")(is_op("relax.add")(x, a), wildcard(), wildcard())
+            if variant == "mul_div":   # x * (clip / 6)
+                p = is_op("relax.multiply")(x, is_op("relax.divide")(clip, b))
+            else:                      # (x * clip) / 6
+                p = is_op("relax.divide")(is_op("relax.multiply")(x, clip), b)
+        else:
+            scaled = is_op("relax.multiply")(a, x) | is_op("relax.multiply")(x, a)
+            clip = is_op("relax.clip")(is_op("relax.add")(scaled, b), wildcard(), wildcard())
+            p = is_op("relax.multiply")(x, clip) if variant == "hsig" else is_op("relax.multiply")(clip, x)
+        ann = {"root": p, "clip": clip, "a": a, "b": b, "x": x}
+        out.append(Rule(f"acl.hardswish_{variant}", p, ann, _hardswish_check(variant)))
+    return out
+
+
+def _hardswish_check(variant: str) -> Check:
+    # (a, b, clip_hi) for x * clip(x + a, 0, hi) / b, or x * clip(a * x + b, 0, hi)
+    want = (3.0, 6.0, 6.0) if variant in ("mul_div", "div_mul") else (1.0 / 6.0, 0.5, 1.0)
+
+    def check(ann: Mapping[str, relax.Expr]) -> str | None:
+        if r := _fp32(ann["x"]):
+            return r
+        a, b, clip = ann["a"].value.numpy(), ann["b"].value.numpy(), ann["clip"]
+        if a.size != 1 or b.size != 1:
+            return "not a hard-swish (non-scalar constants)"
+        got = (float(a), float(b), _num(clip.args[2]))
+        if _num(clip.args[1]) != 0.0 or any(abs(g - w) > 1e-6 for g, w in zip(got, want)):
+            return "not a hard-swish (constants differ)"
+        return None
+
+    return check
+
+
 def rules() -> list[Rule]:
     """The table, most specific first."""
     table: list[Rule] = []
     table += _with_epilogue("conv2d", _conv_pattern(), check_conv2d)
     table += _with_epilogue("dense", _dense_pattern(), check_dense)
+    table += _hardswish_rules()
     table += [
         _single("max_pool2d", "relax.nn.max_pool2d", check_pool2d),
         _single("avg_pool2d", "relax.nn.avg_pool2d", check_pool2d),

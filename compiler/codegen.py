@@ -48,6 +48,10 @@ def _const(e) -> np.ndarray:
     return e.value.numpy()
 
 
+def _num(v) -> float:
+    return float(v.value) if hasattr(v, "value") else float(v)
+
+
 def _ints(v) -> list[int]:
     return [int(x) for x in v]
 
@@ -70,7 +74,7 @@ def _activation(call: relax.Call | None) -> dict | None:
     if name == "relax.nn.relu":
         return {"kind": "relu"}
     if name == "relax.clip":
-        lo, hi = float(call.args[1]), float(call.args[2])
+        lo, hi = _num(call.args[1]), _num(call.args[2])
         return {"kind": "clip", "min": lo, "max": hi}
     if name == "relax.sigmoid":
         return {"kind": "sigmoid"}
@@ -114,6 +118,8 @@ def _composite_to_ops(comp: relax.Function, composite: str, ins: list[str], out:
                  "attrs": {"activation": _activation(act) if act is not None else None}, "weights": weights}]
     root = calls[0]
     a = root.attrs
+    if kind.startswith("hardswish"):
+        return [{"type": "activation", "inputs": ins[:1], "output": out, "attrs": {"activation": {"kind": "hardswish"}}}]
     if kind in ("relu", "clip", "sigmoid", "tanh", "leaky_relu"):
         return [{"type": "activation", "inputs": ins, "output": out, "attrs": {"activation": _activation(root)}}]
     if kind in ("max_pool2d", "avg_pool2d"):

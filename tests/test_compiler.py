@@ -198,3 +198,41 @@ def test_failed_compile_keeps_the_previous_bundle(tmp_path):
     res = run_cli("tandoor", "compile", str(zoo.unsupported_op()), "-o", str(out), "-q")
     assert res.returncode == 2
     assert out.read_bytes() == before
+
+
+def _onnx_model(tmp_path, name, nodes, inputs, outputs, inits):
+    import onnx
+    from onnx import helper
+
+    g = helper.make_graph(nodes, name, inputs, outputs, inits)
+    p = tmp_path / f"{name}.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), p)
+    return p
+
+
+@pytest.mark.parametrize("conv_bias", [True, False])
+def test_batchnorm_folds_into_conv_with_and_without_bias(tmp_path, conv_bias):
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    inits = [numpy_helper.from_array(f(8, 3, 3, 3), "w"), numpy_helper.from_array(f(8), "s"),
+             numpy_helper.from_array(f(8), "b"), numpy_helper.from_array(f(8), "m"),
+             numpy_helper.from_array(np.abs(f(8)) + 0.5, "v")]
+    conv_in = ["x", "w"]
+    if conv_bias:
+        inits.append(numpy_helper.from_array(f(8), "cb"))
+        conv_in.append("cb")
+    nodes = [helper.make_node("Conv", conv_in, ["y"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["y", "s", "b", "m", "v"], ["z"]),
+             helper.make_node("HardSwish", ["z"], ["o"])]
+    p = _onnx_model(tmp_path, "convbn", nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 16, 16])],
+                    [helper.make_tensor_value_info("o", onnx.TensorProto.FLOAT, [1, 8, 16, 16])], inits)
+    r = _partitioned(p)
+    assert r.tvm_ops == []
+    comps = [c for part in r.partitions for c in part.composites]
+    assert "acl.conv2d_bias" in comps                     # BN became the conv's bias
+    assert any(c.startswith("acl.hardswish") for c in comps)
+    assert not any("batch_norm" in o for part in r.partitions for o in part.ops)

@@ -52,7 +52,9 @@ class OrtExecutor:
         self.zero_copy = zero_copy
         self.last_run_ns = 0
         self._binding = None
-        self._bound: tuple[int, ...] | None = None
+        self._bound: list[int | None] = []
+        self._lists = [list(s) for s in (*self.in_shapes, *self.out_shapes)]
+        self._sizes = [int(np.prod(s)) for s in (*self.in_shapes, *self.out_shapes)]
 
     def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         return self.session.run(self.out_names, dict(zip(self.in_names, inputs)))
@@ -70,18 +72,23 @@ class OrtExecutor:
 
     def _run_bound(self, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         arrays = (*inputs, *outputs)
-        if len(inputs) != len(self.in_shapes) or len(outputs) != len(self.out_shapes) or any(
-                a.size != int(np.prod(s)) for a, s in zip(arrays, (*self.in_shapes, *self.out_shapes))):
+        if len(arrays) != len(self._sizes) or any(a.size != n for a, n in zip(arrays, self._sizes)):
             raise ValueError(f"buffers {[list(a.shape) for a in arrays]} do not fit the order's "
                              f"{[list(s) for s in (*self.in_shapes, *self.out_shapes)]}")
-        ptrs = tuple(a.__array_interface__["data"][0] for a in arrays)
-        if ptrs != self._bound:
-            b = self.session.io_binding()
-            for name, shape, p in zip(self.in_names, self.in_shapes, ptrs):
-                b.bind_input(name, "cpu", 0, np.float32, list(shape), p)
-            for name, shape, p in zip(self.out_names, self.out_shapes, ptrs[len(inputs):]):
-                b.bind_output(name, "cpu", 0, np.float32, list(shape), p)
-            self._binding, self._bound = b, ptrs
+        b = self._binding
+        if b is None:
+            b = self._binding = self.session.io_binding()
+            self._bound = [None] * len(arrays)
+        bound = self._bound
+        n_in = len(inputs)
+        for k, a in enumerate(arrays):
+            p = a.ctypes.data
+            if p != bound[k]:  # (re)bind only what moved: the VM mostly reuses its buffers
+                if k < n_in:
+                    b.bind_input(self.in_names[k], "cpu", 0, np.float32, self._lists[k], p)
+                else:
+                    b.bind_output(self.out_names[k - n_in], "cpu", 0, np.float32, self._lists[k], p)
+                bound[k] = p
         t0 = time.perf_counter_ns()
-        self.session.run_with_iobinding(self._binding)
+        self.session.run_with_iobinding(b)
         self.last_run_ns = time.perf_counter_ns() - t0
