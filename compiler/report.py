@@ -43,7 +43,9 @@ def print_summary(info: dict) -> None:
             f"(ratio {info['delegation_ratio']:.2f}), predicted speedup {info['predicted_speedup']:.2f}x, "
             f"policy {info['policy']}, layout transposes added: {info['layout_transposes']}")
     t = Table(title="subgraphs")
-    for col in ("symbol", "runs on", "ops", "share of work", "why"):
+    width = max((len(p["symbol"]) for p in info["partitions"]), default=6)
+    t.add_column("symbol", no_wrap=True, min_width=width)   # symbols are what logs and profiles name
+    for col in ("runs on", "ops", "share of work", "why"):
         t.add_column(col)
     for p in info["partitions"]:
         ops = Counter(p["ops"])
