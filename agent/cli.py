@@ -1,4 +1,18 @@
-"""`tandoor-agent`: the board side. `run` does one-shot inference on a bundle."""
+"""`tandoor-agent`: the board side. `run` does one-shot inference on a bundle.
+
+Exit codes (one line on stderr for every failure, "tandoor-agent: error: <reason>"):
+
+====  =====================================================================================
+0     ok
+1     unexpected internal error
+2     usage: bad option, unreadable --input, --save-outputs not a directory
+3     runtime: no executor can run a subgraph, input of the wrong shape, inference failed
+10-19 the bundle was refused before anything in it was used (agent/hmod.py's table:
+      10 not a bundle/truncated, 11 unsafe member, 12 hash mismatch, 13 missing member,
+      14 bad signature, 15 unsigned, 16 format version, 17 no lib for this arch,
+      18 extra member, 19 key file)
+====  =====================================================================================
+"""
 
 from __future__ import annotations
 
@@ -14,9 +28,22 @@ import numpy as np
 from . import hmod
 
 
-def _fail(err: Exception) -> None:
-    click.echo(f"tandoor-agent: error: {err}", err=True)
-    sys.exit(getattr(err, "exit_code", 2))
+class UsageError_(Exception):
+    exit_code = 2
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
+
+
+def _fail(err: BaseException) -> None:
+    code = getattr(err, "exit_code", None)
+    msg = _one_line(err)
+    if not isinstance(code, int):
+        code, msg = 1, f"internal error ({type(err).__name__}): {msg}"
+    click.echo(f"tandoor-agent: error: {msg}", err=True)
+    sys.exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,72 +54,102 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
 
 
+def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
+    from . import preprocess
+
+    m = b.manifest
+    if input_path is None:
+        golden = b.golden()
+        if not golden:
+            raise UsageError_("the bundle has no golden input; pass --input FILE.npy or an image")
+        return golden[0][0]
+    if not input_path.is_file():
+        raise UsageError_(f"--input {input_path}: no such file")
+    try:
+        if input_path.suffix == ".npy":
+            return [np.load(input_path, allow_pickle=False)]
+        return [preprocess.to_input(preprocess.load_image(input_path), m["inputs"][0], m.get("preprocess"))]
+    except Exception as err:
+        raise UsageError_(f"--input {input_path}: cannot read it ({_one_line(err)})") from None
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--input", "input_path", type=click.Path(dir_okay=False, path_type=Path),
               help="An image (PNG/JPEG) or a .npy array. Default: the bundle's first golden input.")
 @click.option("--delegate", type=click.Choice(["auto", "armnn", "onnxruntime", "tvm"]), default="auto", show_default=True,
-              help="Executor for delegated subgraphs; auto picks the best that can build each one.")
+              help="Executor tried first for delegated subgraphs (auto: armnn > onnxruntime > tvm); "
+                   "one that cannot build a subgraph falls back to the next, with the reason logged.")
 @click.option("--backends", default="CpuAcc,GpuAcc,CpuRef", show_default=True, help="Arm NN backend preference.")
 @click.option("--trusted-key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Public key(s); when given, unsigned or wrongly signed bundles are refused.")
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(1), help="Runs to time.")
 @click.option("--top", default=5, show_default=True, type=click.IntRange(1), help="Top-k to print for classifiers.")
+@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write the last run's outputs as DIR/output_<j>.npy.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def run(bundle, input_path, delegate, backends, keys, repeat, top, as_json):
+def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, as_json):
     """One-shot inference: top outputs, which executor ran each subgraph, latency."""
-    from . import preprocess
-    from .runtime import HybridModule
-
     try:
-        with hmod.open_bundle(bundle, trusted_keys=keys) as b:
-            m = b.manifest
-            if input_path is None:
-                inputs = b.golden()[0][0]
-            elif input_path.suffix == ".npy":
-                inputs = [np.load(input_path, allow_pickle=False)]
-            else:
-                if not input_path.is_file():
-                    raise FileNotFoundError(f"{input_path}: no such file")
-                inputs = [preprocess.to_input(preprocess.load_image(input_path), m["inputs"][0], m.get("preprocess"))]
-            labels = b.read(m["labels"]).decode().splitlines() if m.get("labels") else None
-            module = HybridModule(b, delegate=delegate, armnn_backends=tuple(x for x in backends.split(",") if x))
-            try:
-                times = []
-                for _ in range(repeat):
-                    t0 = time.perf_counter()
-                    outs = module.run(inputs)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                subgraphs = module.describe()
-            finally:
-                module.close()
-    except (hmod.BundleError, OSError) as err:
-        _fail(err)
+        result = _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir)
     except Exception as err:
         _fail(err)
-    result = {"model": m["model"], "outputs": [], "subgraphs": subgraphs,
-              "latency_ms": {"median": float(np.median(times)), "p95": float(np.percentile(times, 95)), "runs": repeat}}
-    for spec, o in zip(m["outputs"], outs):
-        entry = {"name": spec["name"], "shape": list(o.shape)}
-        flat = o.reshape(-1)
-        if o.ndim == 2 and o.shape[0] == 1 and o.shape[1] > 1:
-            scores = preprocess.softmax_if_logits(flat)
-            idx = np.argsort(-scores)[:top]
-            entry["top5" if top == 5 else f"top{top}"] = [[labels[i] if labels and i < len(labels) else str(int(i)), float(scores[i])] for i in idx]
-        result["outputs"].append(entry)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"{m['model']['name']} v{m['model']['version']}")
+    model = result["model"]
+    click.echo(f"{model['name']} v{model['version']}")
     for e in result["outputs"]:
         click.echo(f"output {e['name']} {e['shape']}")
         for label, score in next((v for k, v in e.items() if k.startswith("top")), []):
             click.echo(f"  {score:6.3f}  {label}")
-    for s in subgraphs:
-        click.echo(f"subgraph {s['symbol']}: {s['executor']} ({s['backend']})"
+    for s in result["subgraphs"]:
+        bridge = f", bridge {s['bridge_us']:.0f} us/call" if "bridge_us" in s else ""
+        click.echo(f"subgraph {s['symbol']}: {s['executor']} ({s['backend']}{bridge})"
                    + (f" [fallback: {s['fallback_reason']}]" if s.get("fallback_reason") else ""))
     lat = result["latency_ms"]
-    click.echo(f"latency: median {lat['median']:.2f} ms, p95 {lat['p95']:.2f} ms over {repeat} run(s)")
+    click.echo(f"latency: median {lat['median']:.2f} ms, p95 {lat['p95']:.2f} ms over {lat['runs']} run(s)")
+
+
+def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) -> dict:
+    from . import preprocess
+
+    if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
+        raise UsageError_(f"--save-outputs {save_dir} is not a directory")
+    with hmod.open_bundle(bundle, trusted_keys=keys) as b:
+        b.lib_for()  # refuse a bundle without a lib for this machine before anything else
+        m = b.manifest
+        inputs = _load_inputs(b, input_path)
+        labels = b.read(m["labels"]).decode("utf-8", "replace").splitlines() if m.get("labels") else None
+        from .runtime import HybridModule, check_inputs
+
+        check_inputs(m, inputs)  # before any executor is built
+
+        module = HybridModule(b, delegate=delegate, armnn_backends=tuple(x for x in backends.split(",") if x))
+        try:
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                outs = module.run(inputs)
+                times.append((time.perf_counter() - t0) * 1e3)
+            subgraphs = module.describe()
+        finally:
+            module.close()
+    if save_dir is not None:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        for j, o in enumerate(outs):
+            np.save(save_dir / f"output_{j}.npy", o, allow_pickle=False)
+    result = {"model": m["model"], "outputs": [], "subgraphs": subgraphs,
+              "latency_ms": {"median": float(np.median(times)), "p95": float(np.percentile(times, 95)), "runs": repeat}}
+    for spec, o in zip(m["outputs"], outs):
+        entry = {"name": spec["name"], "shape": list(o.shape)}
+        if o.ndim == 2 and o.shape[0] == 1 and o.shape[1] > 1:  # a classifier's scores
+            scores = preprocess.softmax_if_logits(o.reshape(-1))
+            idx = np.argsort(-scores, kind="stable")[:top]
+            entry["top5" if top == 5 else f"top{top}"] = [
+                [labels[i] if labels and i < len(labels) else str(int(i)), float(scores[i])] for i in idx]
+        result["outputs"].append(entry)
+    return result
 
 
 if __name__ == "__main__":

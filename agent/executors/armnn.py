@@ -293,6 +293,7 @@ class ArmnnExecutor:
             preferred = (preferred,)
         self.symbol = str(order.get("symbol", "?"))
         self.last_run_ns = 0  # time inside EnqueueWorkload during the last run_into
+        self.last_zero_copy = False  # whether Arm NN wrote every output into the caller's buffer
         self._net_id: int | None = None
         self._keep: list[Any] = []  # numpy arrays behind every ConstTensor
         self._slots: dict[str, Any] = {}
@@ -412,6 +413,7 @@ class ArmnnExecutor:
         t0 = time.perf_counter_ns()
         self._runtime.EnqueueWorkload(self._net_id, in_tensors, out_tensors)
         self.last_run_ns = time.perf_counter_ns() - t0
+        self.last_zero_copy = not copies
         for out, t in copies:
             np.copyto(out, t.get_memory_area().reshape(out.shape), casting="same_kind")
 

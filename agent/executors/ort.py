@@ -51,6 +51,7 @@ class OrtExecutor:
         self.backend = "CPUExecutionProvider"
         self.zero_copy = zero_copy
         self.last_run_ns = 0
+        self.last_zero_copy = False
         self._binding = None
         self._bound: list[int | None] = []
         self._lists = [list(s) for s in (*self.in_shapes, *self.out_shapes)]
@@ -63,10 +64,12 @@ class OrtExecutor:
         if self.zero_copy and all(map(_bindable, inputs)) and all(out.flags.writeable and _bindable(out)
                                                                  for out in outputs):
             self._run_bound(inputs, outputs)
+            self.last_zero_copy = True
             return
         t0 = time.perf_counter_ns()
         results = self.run(inputs)
         self.last_run_ns = time.perf_counter_ns() - t0
+        self.last_zero_copy = False
         for dst, src in zip(outputs, results):
             np.copyto(dst, src.reshape(dst.shape))
 

@@ -26,6 +26,7 @@ class TvmExecutor:
         self._main = self.vm["main"]
         self.backend = "llvm"
         self.last_run_ns = 0
+        self.last_zero_copy = False  # the fallback function allocates its result: one copy out
         self._tvm = tvm
         self._from_dlpack = tvm.runtime.from_dlpack
 
