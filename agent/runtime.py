@@ -116,6 +116,26 @@ def check_inputs(manifest: dict, inputs: list[np.ndarray]) -> None:
             raise RuntimeError_(f"input {spec['name']} must be {spec['dtype']}, got {a.dtype}")
 
 
+ACCELERATED_ARMNN = ("CpuAcc", "GpuAcc")
+
+
+def _auto_preference(armnn_backends: tuple[str, ...]) -> list[str]:
+    """armnn first only where it brings ACL (CpuAcc/GpuAcc). Its CpuRef backend is a reference
+    implementation, seconds per CNN inference, far slower than onnxruntime on the same CPU."""
+    try:
+        from .executors import armnn
+
+        ok, _ = armnn.available()
+        have = set(armnn.backends()) if ok else set()
+    except Exception:
+        have = set()
+    if have & set(ACCELERATED_ARMNN) & set(armnn_backends):
+        return ["armnn", "onnxruntime", "tvm"]
+    if have:
+        log.info("Arm NN offers only %s here (no ACL backend); auto prefers onnxruntime", ", ".join(sorted(have)))
+    return ["onnxruntime", "armnn", "tvm"]
+
+
 class HybridModule:
     """A verified bundle made runnable: one executor per delegated order, then the VM.
 
@@ -146,7 +166,8 @@ class HybridModule:
         self.workdir = workdir
         self.subgraphs: list[Subgraph] = []
         self._executors = {}
-        preference = list(EXECUTORS) if delegate == "auto" else [delegate] + [e for e in EXECUTORS if e != delegate]
+        preference = _auto_preference(armnn_backends) if delegate == "auto" else \
+            [delegate] + [e for e in EXECUTORS if e != delegate]
         try:
             for part in self.manifest.get("partitions", []):
                 if not part.get("delegate"):

@@ -375,7 +375,7 @@ def test_armnn_falls_back_when_it_cannot_build_an_order(tmp_path):
     parts = [p for p in manifest_of(bundle)["partitions"] if p["delegate"] and "image.resize2d" in p["ops"]]
     if not parts:
         pytest.skip("the compiler now keeps this resize out of ACL up front; see the hand-edited case below")
-    for delegate in ("armnn", "auto"):
+    for delegate in ("armnn",):
         result, outs, stderr = run_json(bundle, tmp_path / delegate, "--delegate", delegate, "--repeat", "2")
         _check_fallback(result, stderr, outs, bundle, parts[0]["symbol"], "resize2d nearest/half_pixel")
         assert result["subgraphs"][0]["calls"] == 2
@@ -430,3 +430,14 @@ def test_onnxruntime_writes_into_the_callers_buffer(base):
     assert [v.data_ptr() for v in ex._binding.get_outputs()] == [o.ctypes.data for o in moved]
     for got, want in zip(moved, outs):
         np.testing.assert_array_equal(got, want)
+
+
+@needs_armnn
+def test_auto_prefers_onnxruntime_when_armnn_has_no_acl_backend(base, tmp_path):
+    """On a host whose Arm NN has only CpuRef (a slow reference backend), auto must not pick it."""
+    from tandoor_agent.executors import armnn
+
+    result, outs, _ = run_json(base, tmp_path, "--delegate", "auto")
+    want = "armnn" if {"CpuAcc", "GpuAcc"} & set(armnn.backends()) else "onnxruntime"
+    assert {s["executor"] for s in result["subgraphs"]} == {want}
+    assert all(s.get("fallback_reason") is None for s in result["subgraphs"])
