@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from . import hmod
+from . import hmod, service
 
 
 class UsageError_(Exception):
@@ -46,12 +46,16 @@ def _fail(err: BaseException) -> None:
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
 @click.version_option(package_name="tandoor")
 @click.option("-v", "--verbose", is_flag=True, help="Log executor choices and fallbacks.")
-def main(verbose: bool) -> None:
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Run the agent service with this TOML config (same as `serve --config FILE`).")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool, config_path: Path | None) -> None:
     """Tandoor's on-board agent."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    service.main_callback(ctx, config_path)
 
 
 def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
@@ -151,6 +155,8 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
         result["outputs"].append(entry)
     return result
 
+
+main.add_command(service.serve)  # tandoor-agent serve --config FILE (the loop: agent/service.py)
 
 if __name__ == "__main__":
     main()

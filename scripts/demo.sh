@@ -39,3 +39,6 @@ tandoor verify "$OUT/efficientnet_lite0.hmod" --reference "$MODEL"
 step "6. Classify the photo on the agent side (signature checked)"
 tandoor-agent run "$OUT/efficientnet_lite0.hmod" --input "$OUT/coffee.png" \
   --trusted-key "$OUT/demo-key.pub.pem" --repeat 20
+
+step "7. The agent live: local MQTT broker, a real video, what a dashboard sees"
+bash "$ROOT/scripts/demo-live.sh" "$OUT" "$OUT/efficientnet_lite0.hmod"

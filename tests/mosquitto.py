@@ -1,0 +1,226 @@
+"""A real mosquitto broker for tests: a free port, a temp config, start / kill -9 / restart on
+the same port, and a small paho client that records what it receives.
+
+    with Broker(tmp_path) as b:      # b.port
+        b.kill(); b.start()          # broker crash and comeback on the same port
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def available() -> bool:
+    return os.access(MOSQUITTO, os.X_OK)
+
+
+class Broker:
+    def __init__(self, workdir: Path, port: int | None = None, extra_config: str = "",
+                 allow_anonymous: bool = True, listener_config: str = "") -> None:
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.conf = self.dir / "mosquitto.conf"
+        self.log = self.dir / "mosquitto.log"
+        # No persistence: a restarted broker has lost every retained message and session, like a
+        # broker that crashed on a fresh disk; the agent must publish its status again.
+        self.conf.write_text(
+            f"listener {self.port} 127.0.0.1\n"
+            + listener_config
+            + f"allow_anonymous {'true' if allow_anonymous else 'false'}\n"
+            "persistence false\n"
+            "log_dest stderr\n"
+            "log_type error\nlog_type warning\nlog_type notice\n"
+            + extra_config
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 10.0) -> Broker:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=logf, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        logf.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mosquitto exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    time.sleep(0.05)  # listening is not yet serving: give it a moment
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"mosquitto did not listen on {self.port}")
+
+    def kill(self) -> None:
+        """SIGKILL: no clean shutdown, connections drop."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def __enter__(self) -> Broker:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def make_tls_files(d: Path) -> dict[str, Path]:
+    """A CA and a server certificate for localhost/127.0.0.1 (PEM), made with cryptography."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    d.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("tandoor test CA")).issuer_name(name("tandoor test CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(name("localhost")).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    files = {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key"}
+    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    os.chmod(files["key"], 0o644)  # mosquitto may run as another user
+    return files
+
+
+class Recorder:
+    """A paho subscriber that keeps every message: (topic, payload bytes, properties, retain).
+
+    ``wait_for(pred, timeout)`` waits until some recorded message satisfies pred(msg)."""
+
+    def __init__(self, port: int, topics: list[str] | str = "#", protocol: int | None = None) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self._mqtt = mqtt
+        self.port = port
+        self.topics = [topics] if isinstance(topics, str) else list(topics)
+        self.messages: list[Message] = []
+        self._cond = threading.Condition()
+        self.subscribed = threading.Event()
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"rec-{uuid.uuid4().hex[:8]}",
+                                  protocol=protocol or mqtt.MQTTv5)
+        self.client.on_connect = self._on_connect
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *a: self.subscribed.set()
+        self.client.reconnect_delay_set(0.2, 1)
+
+    def start(self, timeout: float = 10.0) -> Recorder:
+        self.client.connect_async("127.0.0.1", self.port, 30)
+        self.client.loop_start()
+        assert self.subscribed.wait(timeout), "recorder did not subscribe"
+        return self
+
+    def _on_connect(self, client, userdata, flags, reason, props) -> None:
+        for t in self.topics:
+            client.subscribe(t, qos=1)
+
+    def _on_message(self, client, userdata, msg) -> None:
+        m = Message(msg.topic, bytes(msg.payload), getattr(msg, "properties", None), bool(msg.retain), time.time())
+        with self._cond:
+            self.messages.append(m)
+            self._cond.notify_all()
+
+    def wait_for(self, pred, timeout: float = 30.0, what: str = "a message"):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for m in self.messages:
+                    try:
+                        if pred(m):
+                            return m
+                    except Exception:
+                        pass
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    topics = [x.topic for x in self.messages[-10:]]
+                    raise AssertionError(f"timed out waiting for {what}; last topics: {topics}")
+                self._cond.wait(min(left, 0.5))
+
+    def on(self, suffix: str) -> list[Message]:
+        with self._cond:
+            return [m for m in self.messages if m.topic.endswith(suffix)]
+
+    def clear(self) -> None:
+        with self._cond:
+            self.messages.clear()
+
+    def publish(self, topic: str, payload: bytes | str, qos: int = 1, properties=None, retain: bool = False):
+        info = self.client.publish(topic, payload, qos=qos, properties=properties, retain=retain)
+        info.wait_for_publish(10)
+        return info
+
+    def stop(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def __enter__(self) -> Recorder:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Message:
+    __slots__ = ("topic", "payload", "properties", "retain", "t")
+
+    def __init__(self, topic, payload, properties, retain, t) -> None:
+        self.topic, self.payload, self.properties, self.retain, self.t = topic, payload, properties, retain, t
+
+    def json(self):
+        return json.loads(self.payload)
+
+    def __repr__(self) -> str:
+        return f"<{self.topic} retain={self.retain} {self.payload[:80]!r}>"
