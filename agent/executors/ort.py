@@ -36,6 +36,9 @@ class OrtExecutor:
 
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        # Spinning worker threads fight TVM's thread pool (and the camera thread) on a few cores:
+        # measured 2-5x slower hybrid inference on 2 cores with spinning on.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if threads:
             so.intra_op_num_threads = threads
         self.session = ort.InferenceSession(onnx_bytes, so, providers=["CPUExecutionProvider"])

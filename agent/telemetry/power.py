@@ -36,6 +36,7 @@ The ``rails`` dict keeps the total rail too, so do not sum ``rails`` when a tota
 
 from __future__ import annotations
 
+import os
 import logging
 import re
 import time
@@ -412,6 +413,7 @@ class EstimatedPower(_Reader):
 
     name = "estimated"
     estimated = True
+    MIN_WINDOW_S = 0.5
 
     def __init__(self, root: str | Path = "/", cpu_load: float | Callable[[], float] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -426,6 +428,7 @@ class EstimatedPower(_Reader):
         self.board, self.board_name, self.idle_w, self.max_w = key, board, idle, peak
         self._cpu_load = cpu_load
         self._cpu_prev = _cpu_busy_total() if cpu_load is None else None
+        self._last_load: float | None = None
 
     @property
     def available(self) -> bool:
@@ -439,10 +442,16 @@ class EstimatedPower(_Reader):
     def cpu_load(self) -> float:
         if self._cpu_load is None:
             # our own baseline, not psutil.cpu_percent()'s module-wide one that other callers reset
+            # Measure over at least MIN_WINDOW_S of wall time: a read a few ms after the last
+            # one sees a handful of ticks and flips between idle and full load.
             now = _cpu_busy_total()
             busy, total = now[0] - self._cpu_prev[0], now[1] - self._cpu_prev[1]
-            self._cpu_prev = now
-            load = busy / total if total > 0 else 0.0
+            if total < self.MIN_WINDOW_S * (os.cpu_count() or 1) and self._last_load is not None:
+                load = self._last_load
+            else:
+                self._cpu_prev = now
+                load = busy / total if total > 0 else 0.0
+                self._last_load = load
         elif callable(self._cpu_load):
             load = float(self._cpu_load())
         else:
