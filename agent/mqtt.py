@@ -96,6 +96,7 @@ class Link:
         self._will: dict = {}
         self._client: mqtt.Client | None = None
         self._thread: threading.Thread | None = None
+        self.updater = None  # agent.updater.Updater: update topics are subscribed and routed to it
 
     # ------------------------------------------------------------------------------- client
     def _make_client(self) -> mqtt.Client:
@@ -162,12 +163,17 @@ class Link:
                 log.error("broker refused the connection: %s", reason_code)
             return
         client.subscribe(self.topic["cmd"], qos=1)
+        if self.updater is not None:
+            for t in self.updater.subscriptions:
+                client.subscribe(t, qos=1)
         with self._cond:
             self._connected = True
             self.connects += 1
             self._cond.notify_all()
         log.info("connected to %s:%s (MQTT %s)", self.cfg["broker.host"], self.cfg["broker.port"], self.protocol)
         self._publish_status_now(self._status_fn())
+        if self.updater is not None:
+            self.updater.on_connected()
 
     def _on_connect_fail(self, client, userdata) -> None:
         log.debug("cannot reach %s:%s; retrying", self.cfg["broker.host"], self.cfg["broker.port"])
@@ -186,6 +192,12 @@ class Link:
             self._cond.notify_all()
 
     def _on_message(self, client, userdata, msg) -> None:
+        if self.updater is not None and msg.topic.startswith(self.base + "/update/"):
+            try:
+                self.updater.on_message(msg.topic, msg.payload, getattr(msg, "properties", None))
+            except Exception:
+                log.exception("update message on %s", msg.topic)
+            return
         if msg.topic != self.topic["cmd"]:
             return
         try:
@@ -270,6 +282,12 @@ class Link:
         payload = {"online": True, "device_id": self.cfg["device_id"], "session": self.session,
                    "protocol": self.protocol, **status, "ts": round(time.time(), 3)}
         c.publish(self.topic["status"], _json(payload), qos=1, retain=True)
+
+    def publish_raw(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        """For the updater (acks, need): QoS 1 is queued by paho while offline."""
+        c = self._client
+        if c is not None:
+            c.publish(topic, payload, qos=qos, retain=retain)
 
     def publish_status(self, status: dict) -> None:
         """A fresh birth message (state changed: running, model reloaded...). Only while connected;

@@ -24,6 +24,7 @@ import logging
 import queue
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,9 @@ class Service:
         self.frames = 0
         self.consecutive_errors = 0
         self._stop_reason: str | None = None
+        self.updater = None
+        self._pending_swap: tuple[Model, threading.Event] | None = None
+        self.swaps = 0
 
     # ----------------------------------------------------------------------------- helpers
     def status(self) -> dict:
@@ -205,8 +209,19 @@ class Service:
                     self._next_tel = min(self._next_tel, time.monotonic() + result["telemetry_period_s"])
             elif cmd == "reload":
                 result = self._reload()
+            elif cmd in ("rollback", "update-status"):
+                if self.updater is None or self.updater.store is None:
+                    raise ConfigError(f"{cmd} needs slot_dir (this agent serves an explicit bundle)")
+                if cmd == "update-status":
+                    result = {"busy": self.updater.busy, "slots": self.updater.store.status(),
+                              "counters": dict(self.updater.counters)}
+                else:
+                    # off the loop: the new model is built in the background and swapped in
+                    threading.Thread(target=self._rollback_cmd, args=(req, args), daemon=True).start()
+                    return
             else:
-                raise ConfigError(f"unknown command {cmd!r}; commands: ping, get-config, set-config, reload")
+                raise ConfigError(f"unknown command {cmd!r}; commands: ping, get-config, set-config, reload, "
+                                  f"rollback, update-status")
         except Exception as err:
             msg = " ".join(str(err).split()) or type(err).__name__
             log.warning("command %s refused: %s", cmd, msg)
@@ -228,6 +243,60 @@ class Service:
         self.notifier.status(f"running {new.info['name']} v{new.info['version']}")
         log.info("reloaded %s (%s)", new.path, new.info["sha256"][:12])
         return {"model": new.info, "slot": new.slot, "bundle": str(new.path), "executors": new.executors()}
+
+    # ------------------------------------------------------------------ updates (hot swap)
+    def _make_updater(self):
+        """The update job handler (agent/updater.py); with slot_dir it first recovers the slots
+        (a trial left uncommitted is rolled back and reported once connected)."""
+        from .updater import Updater
+
+        cfg = self.cfg
+        store = None
+        if not cfg["bundle"]:
+            from .slots import SlotStore
+
+            store = SlotStore(cfg["slot_dir"], cfg["trusted_keys"])
+        up = Updater(store, cfg.topic_base, self.link.publish_raw, trusted_keys=cfg["trusted_keys"],
+                     delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"])
+        try:
+            for note in up.recover():
+                log.warning("update recovery: %s", note)
+        except Exception as err:
+            log.error("slot recovery failed: %s", " ".join(str(err).split()))
+        return up
+
+    def _swap_committed(self, timeout: float = 120.0) -> None:
+        """Called off the loop (updater thread): build the newly committed slot's model here, then
+        let the loop swap the reference between two frames; returns once it serves."""
+        new = Model(self.cfg).build(self.cfg)  # closes itself when it fails
+        done = threading.Event()
+        self._pending_swap = (new, done)
+        if not done.wait(timeout):
+            raise ServiceError(f"the serving loop did not take the new model within {timeout:g} s")
+
+    def _apply_swap(self) -> None:
+        pending, self._pending_swap = self._pending_swap, None
+        if pending is None:
+            return
+        new, done = pending
+        old, self.model = self.model, new
+        self.swaps += 1
+        done.set()
+        if old is not None:
+            old.close()
+        self.link.set_identity(model=new.info, slot=new.slot)
+        self.link.publish_status(self.status())
+        self.notifier.status(f"running {new.info['name']} v{new.info['version']}")
+        log.info("hot swap: now serving %s v%s from slot %s (%s)", new.info["name"], new.info["version"],
+                 new.slot, new.info["sha256"][:12])
+
+    def _rollback_cmd(self, req, args) -> None:
+        try:
+            result = self.updater.rollback_committed(str(args.get("reason") or "rollback requested by the operator"))
+        except Exception as err:
+            self.link.respond(req, ok=False, error=" ".join(str(err).split()) or type(err).__name__)
+            return
+        self.link.respond(req, ok=True, result=result)
 
     def _drain_commands(self) -> None:
         while True:
@@ -270,6 +339,8 @@ class Service:
         self.notifier.status("opening the bundle")
         self.link = mqtt.Link(cfg, on_command=self.commands.put, status=self.status)
         self.link.set_identity(agent_version=agent_version())
+        self.updater = self._make_updater()
+        self.link.updater = self.updater
         try:
             try:
                 self.model = Model(cfg)  # verified before anything from it is used
@@ -278,6 +349,7 @@ class Service:
                 raise
             self.link.set_identity(model=self.model.info, slot=self.model.slot)
             self.link.start()
+            self.updater.start()
             self.notifier.status(f"loading {self.model.info['name']}")
             try:
                 self.model.build(cfg)
@@ -345,6 +417,8 @@ class Service:
                     log.info("the source ended")
                     self.request_stop("end of source")
                 continue
+            if self._pending_swap is not None:
+                self._apply_swap()  # between two frames: the new model serves this one
             try:
                 result = self.model.pipeline.process(frame)
             except Exception as err:
@@ -381,6 +455,8 @@ class Service:
     def _shutdown(self, reason: str) -> None:
         self.state = "stopped" if reason == "stopped" else "error"
         self.notifier.stopping(f"stopping ({self._stop_reason or reason})")
+        if self.updater is not None:
+            self.updater.stop()
         if self.source is not None:
             try:
                 self.source.stop()

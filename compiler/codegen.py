@@ -272,8 +272,12 @@ def region_as_module(func: relax.Function) -> tvm.IRModule:
 
 
 def build(mod: tvm.IRModule, target: dict, out_path, cross_cc: str | None) -> None:
-    t = tvm.target.Target(target)
-    ex = tvm.compile(mod, target=t, relax_pipeline=relax.get_default_pipeline(t))
+    # schedule.py: relax's default CPU pipeline + vectorised, parallel schedules (docs/benchmarks.md);
+    # the host target gets its CPU named (x86-64-v3 on AVX2 machines) instead of generic x86-64.
+    from . import schedule
+
+    t = tvm.target.Target(target if cross_cc else schedule.host_target(target))
+    ex = tvm.compile(mod, target=t, relax_pipeline=schedule.cpu_pipeline(t))
     if cross_cc:
         from tvm.support import cc
 

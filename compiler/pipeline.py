@@ -39,9 +39,10 @@ class Options:
     std: list[float] | None = None
     layout: str = "NCHW"
     bgr: bool = False
-    policy: str = "cost"          # cost | all
+    policy: str = "cost"          # cost | all | none (none: everything in TVM, for benchmarks)
     name: str | None = None
     version: str = "1"
+    profile: Path | None = None   # tandoor profile output: measured numbers over estimates
 
 
 def _tandoor_version() -> str:
@@ -105,8 +106,8 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
         raise CompileError(f"output {out_path} should end in {hmod.SUFFIX}")
     if not out_path.parent.is_dir():
         raise CompileError(f"output directory {out_path.parent} does not exist")
-    if opts.policy not in ("cost", "all"):
-        raise CompileError(f"unknown --policy {opts.policy}; choose cost or all")
+    if opts.policy not in ("cost", "all", "none"):
+        raise CompileError(f"unknown --policy {opts.policy}; choose cost, all or none")
     tgts = targets_mod.resolve(opts.targets)
     key = hmod.load_private_key(opts.key) if opts.key else None
     if opts.labels is not None and not Path(opts.labels).is_file():
@@ -121,29 +122,45 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
     progress("optimising the graph (constants, BatchNorm, NHWC)")
     mod, facts = passes.optimise(mod)
 
+    # --- the keep policy (compiler/cost.py): per subgraph, does its gain beat its boundary? ---
+    from . import profile as profile_mod
+
     total_flops = _flops(mod["main"])
+    arch = cost.arch_of(tgts)
+    measured = None
+    if opts.profile is not None:
+        progress(f"checking the profile {Path(opts.profile).name}")
+        measured = profile_mod.load_for_compile(opts.profile, model, arch)
+        arch = measured.arch
+    model_us = measured.model_tvm_us if measured and measured.model_tvm_us else cost.model_tvm_us(mod["main"], arch)
 
     def keep(p: partition.Partition) -> tuple[bool, str]:
         f = sum(cost.op_flops(c) for c in partition._calls(p.func))
         share = f / total_flops if total_flops else 0.0
-        p.est = {"flops": f, "share": round(share, 6), "p_min": round(cost.p_min(), 6)}
+        est = cost.estimate(p.func, arch)
+        m = measured.subgraph(p) if measured else None
+        ok, reason, nums = cost.decide(est, model_us, m)
+        p.est = {"flops": f, "share": round(share, 6), "bytes": est["bytes"],
+                 "boundary_bytes": est["boundary_bytes"], "arch": arch, **nums}
+        if measured and m is None:
+            p.est["source"] = "estimate (subgraph not in the profile)"
+        if opts.policy == "none":
+            return False, "policy none: everything runs in TVM"
         if opts.policy == "all":
-            return True, "policy all"
-        if share < cost.p_min():
-            return False, (f"cost: {share:.2%} of the work is below p_min {cost.p_min():.2%}; "
-                           "the boundary costs more than ACL saves")
-        return True, f"cost: {share:.2%} of the work (p_min {cost.p_min():.2%})"
+            return True, "policy all (" + reason + ")"
+        return ok, reason
 
     progress("partitioning for ACL")
     result = partition.partition(mod, name, keep)
     kept = [p for p in result.partitions if p.delegate]
-    p_total = sum(p.est.get("share", 0.0) for p in kept)
 
     members: dict[str, bytes | Path] = {}
     parts_manifest = []
     for p in result.partitions:
         entry = {"symbol": p.symbol, "ops": [o.removeprefix("relax.") for o in p.ops], "composites": p.composites,
                  "delegate": p.delegate, "reason": p.reason, "est": p.est}
+        if p.delegate and measured and p.est.get("executor"):
+            entry["executor"] = p.est["executor"]     # hint for the runtime's auto mode
         if p.delegate:
             order, blob = codegen.region_to_order(p.func, p.symbol)
             members[f"orders/{p.symbol}.json"] = json.dumps(order, indent=1, sort_keys=True).encode()
@@ -204,7 +221,9 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
             "ops_total": result.ops_total,
             "ops_delegated": ops_delegated,
             "delegation_ratio": round(ops_delegated / result.ops_total, 4) if result.ops_total else 0.0,
-            "predicted_speedup": round(cost.speedup(p_total, len(kept)), 3),
+            "predicted_speedup": round(cost.predicted_speedup(model_us, [p.est for p in kept]), 3),
+            "model_tvm_us": round(model_us, 1),
+            "profile": measured.manifest_entry() if measured else None,
             "policy": opts.policy,
             "layout_transposes": facts["layout_transposes"],
             "golden": golden,

@@ -70,8 +70,10 @@ def bundle(bundles_dir, keys, workdir):
 
     labels = workdir / "labels.txt"
     labels.write_text("\n".join(LABELS) + "\n")
+    # --policy all: so tiny that the cost model would (rightly) keep it all in TVM, and these
+    # tests want a delegated subgraph to report
     return compiled("agent_tiny", zoo.dynamic_batch(), bundles_dir, "--input", "input=1x3x32x32",
-                    "--labels", str(labels), "--key", str(keys["private"]))
+                    "--labels", str(labels), "--key", str(keys["private"]), "--policy", "all")
 
 
 @pytest.fixture(scope="module")

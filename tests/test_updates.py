@@ -1,0 +1,439 @@
+"""Fleet model updates end to end: a real mosquitto, real `tandoor-agent` processes with A/B slot
+directories, the host side (compiler/fleet.py and `tandoor fleet`) sending real signed bundles.
+
+- deploy to two devices (CLI, --json): committed, the status shows the new sha/version, frames go on
+- the same job twice: the same final ack again, nothing re-installed
+- refused before trial: bad signature, wrong architecture (old model keeps serving)
+- malformed offers answered with an error ack; a job while another runs: refused "busy"
+- chunks duplicated, out of order, one tampered once (re-requested, then committed); a chunk
+  always tampered (failed after the bounded retries, with the reason)
+- a model whose golden self-test fails: rolled back and reported
+- the broker killed and restarted mid-transfer: the device asks for what it misses, committed
+- rollback command (`tandoor fleet rollback`): back to the previous good slot
+- the agent SIGKILLed right after acking received / staged / trial: a restart ends in a
+  consistent committed slot serving frames (received -> the job completes; staged/trial -> rolled
+  back and reported)
+- a full disk while staging (slot_dir on a small tmpfs): refused, the old model keeps serving
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BIN, compiled
+from mosquitto import Broker, Recorder, available
+from tandoor_agent import hmod, slots
+from tandoor_agent.slots import SlotStore
+from test_mqtt_agent import START_TIMEOUT, AgentProcess, status_of, write_config
+
+pytestmark = pytest.mark.skipif(not available(), reason="mosquitto is not installed (apt install mosquitto)")
+
+CHUNK = 16 * 1024
+
+
+# --- bundles -------------------------------------------------------------------------------------
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+
+def rewrite(src: Path, dst: Path, edit=None, key: Path | None = None) -> Path:
+    with zipfile.ZipFile(src) as z:
+        man = json.loads(z.read(hmod.MANIFEST))
+        members = {n: z.read(n) for n in man["files"]}
+    man.pop("files")
+    if edit is not None:
+        edit(man, members)
+    hmod.write_bundle(dst, man, members, private_key=key)
+    return dst
+
+
+def version(v: str):
+    def edit(man, members):
+        man["model"]["version"] = v
+    return edit
+
+
+def npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=False)
+    return buf.getvalue()
+
+
+def make_bundles(bundles_dir: Path, d: Path) -> dict[str, Path]:
+    """dynamic_batch (1x3x32x32, host + aarch64) by the real CLI; versions signed with k1; a bundle
+    signed with k2; an aarch64-only one; one whose golden output is off (re-signed)."""
+    from tandoor_compiler import zoo
+
+    d.mkdir(parents=True, exist_ok=True)
+    for k in ("k1", "k2"):
+        if not (d / f"{k}.pem").exists():
+            hmod.generate_keypair(d / f"{k}.pem", d / f"{k}.pub.pem")
+    base = compiled("dynamic_batch", zoo.dynamic_batch(), bundles_dir, "--input", "input=1x3x32x32")
+    k1 = d / "k1.pem"
+    out = {f"v{i}": rewrite(base, d / f"v{i}.hmod", version(str(i)), k1) for i in range(1, 6)}
+    out["k2"] = rewrite(base, d / "k2.hmod", version("99"), d / "k2.pem")
+    here = hmod.machine_arch()
+
+    def other_arch_only(man, members):
+        for t in [t for t, v in man["targets"].items() if hmod.normalize_arch(v["arch"]) == here]:
+            v = man["targets"].pop(t)
+            members.pop(v["lib"], None)
+            fb = v.get("fallback")
+            for m in (fb.values() if isinstance(fb, dict) else [fb] if fb else []):
+                members.pop(m, None)
+        man["model"]["version"] = "arm-only"
+
+    out["arm"] = rewrite(base, d / "arm.hmod", other_arch_only, k1)
+
+    def tamper_golden(man, members):
+        name = man["golden"][0]["outputs"][0]
+        a = np.load(io.BytesIO(members[name]), allow_pickle=False).copy()
+        a.flat[3] += 0.31
+        members[name] = npy(a)
+        man["model"]["version"] = "bad-golden"
+
+    out["bad_golden"] = rewrite(base, d / "bad_golden.hmod", tamper_golden, k1)
+    out["pub"] = d / "k1.pub.pem"
+    return out
+
+
+@pytest.fixture(scope="module")
+def B(bundles_dir, tmp_path_factory):
+    return make_bundles(bundles_dir, tmp_path_factory.mktemp("updbundles"))
+
+
+@pytest.fixture(scope="module")
+def wd(tmp_path_factory):
+    return tmp_path_factory.mktemp("upd")
+
+
+@pytest.fixture(scope="module")
+def broker(wd):
+    b = Broker(wd / "broker").start()
+    yield b
+    b.stop()
+
+
+def seed_slots(slot_dir: Path, bundle: Path, pub: Path) -> Path:
+    store = SlotStore(slot_dir)
+    store.install(bundle, "seed", [pub])
+    store.commit("seeded by the test")
+    return slot_dir
+
+
+def agent_config(wd: Path, dev: str, port: int, slot_dir: Path, pub: Path) -> Path:
+    return write_config(wd / f"{dev}.toml", device_id=dev, slot_dir=str(slot_dir), trusted_keys=[str(pub)],
+                        delegate="onnxruntime", telemetry_period_s=1.0, results_max_rate_hz=5.0,
+                        broker={"port": port, "reconnect_min_s": 0.5, "reconnect_max_s": 2.0, "keepalive_s": 10},
+                        camera={"source": "synthetic:64x48@20"})
+
+
+def start_agent(wd: Path, dev: str, cfg: Path, rec: Recorder, env: dict | None = None, tag: str = "") -> AgentProcess:
+    rec.clear()
+    a = AgentProcess(["--config", str(cfg)], wd / f"{dev}{tag}.log", env=env)
+    status_of(rec, dev, START_TIMEOUT, lambda s: s.get("state") == "running" and s.get("online"), f"{dev} running")
+    return a
+
+
+def fleet(port: int):
+    from tandoor_compiler.fleet import Fleet
+
+    return Fleet(f"mqtt://127.0.0.1:{port}").connect()
+
+
+def deploy(port: int, bundle: Path, devices: list[str], timeout: float = 240, **kw) -> dict:
+    f = fleet(port)
+    try:
+        return f.deploy(bundle, devices, timeout=timeout, chunk_size=kw.pop("chunk_size", CHUNK), **kw)
+    finally:
+        f.close()
+
+
+def running_sha(rec: Recorder, dev: str, want: str, timeout: float = 60) -> dict:
+    """The device's (retained) status says it serves ``want``: a fresh subscriber each time."""
+    with Recorder(rec.port, f"tandoor/{dev}/status") as fresh:
+        return status_of(fresh, dev, timeout, lambda s: s.get("online") and s.get("state") == "running"
+                         and (s.get("model") or {}).get("sha256") == want, f"{dev} serving {want[:12]}")
+
+
+def serving_frames(rec: Recorder, dev: str, timeout: float = 30) -> None:
+    """Frames keep flowing: results published after this point."""
+    t = time.time()
+    rec.wait_for(lambda m: m.topic == f"tandoor/{dev}/results" and m.t > t, timeout, f"{dev} results")
+
+
+def acks(rec: Recorder, dev: str, job: str) -> list[dict]:
+    return [m.json() for m in rec.on(f"tandoor/{dev}/update/ack") if m.json().get("job_id") == job]
+
+
+def assert_committed_state(slot_dir: Path, want_sha: str) -> None:
+    st = json.loads((slot_dir / "state.json").read_text())
+    slots._check_state(st)
+    assert st["trial"] is None and st["primary"] in ("a", "b"), st
+    assert all(s["state"] in ("good", "bad", "empty") for s in st["slots"].values()), st
+    assert st["slots"][st["primary"]]["sha256"] == want_sha
+    assert sha(slot_dir / st["primary"] / "model.hmod") == want_sha
+
+
+# --- two long-running devices -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def devs(wd, broker, B):
+    rec = Recorder(broker.port, "tandoor/#").start()
+    procs = {}
+    try:
+        for dev in ("u1", "u2"):
+            sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+            procs[dev] = AgentProcess(["--config", str(agent_config(wd, dev, broker.port, sd, B["pub"]))],
+                                      wd / f"{dev}.log")
+        for dev in procs:
+            running_sha(rec, dev, sha(B["v1"]), START_TIMEOUT)
+        yield {"rec": rec, "procs": procs, "slots": {d: wd / f"{d}-slots" for d in procs}}
+    finally:
+        for p in procs.values():
+            p.stop()
+        rec.stop()
+
+
+def test_deploy_two_devices_with_the_cli(devs, broker, B):
+    rec = devs["rec"]
+    t_before = time.time()
+    res = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v2"]), "--devices", "u1,u2",
+                          "--broker", f"mqtt://127.0.0.1:{broker.port}", "--job-id", "job-v2", "--canary", "50%",
+                          "--chunk-size", str(CHUNK), "--latency-budget-ms", "2000", "--timeout", "240", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert {d: r["state"] for d, r in out["devices"].items()} == {"u1": "committed", "u2": "committed"}
+    assert out["devices"]["u1"]["wave"] == "canary" and out["aborted"] is None
+    assert "health gate passed" in out["devices"]["u1"]["reason"]
+    assert "canary" in res.stderr and "committed" in res.stderr  # progress while waiting
+    for dev in ("u1", "u2"):
+        st = running_sha(rec, dev, sha(B["v2"]))
+        assert st["model"]["version"] == "2"
+        states = [a["state"] for a in acks(rec, dev, "job-v2")]
+        for s in ("received", "verified", "staged", "trial", "committed"):
+            assert s in states, states
+        assert_committed_state(devs["slots"][dev], sha(B["v2"]))
+        serving_frames(rec, dev)
+    # hot swap: the status changed while the agent kept running (same session, no restart)
+    births = [m.json() for m in rec.on("tandoor/u1/status") if m.t >= t_before and m.json().get("online")]
+    assert len({b["session"] for b in births}) == 1
+    # devices and status from the retained topics
+    res = subprocess.run([str(BIN / "tandoor"), "fleet", "devices", "--broker", f"mqtt://127.0.0.1:{broker.port}",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    d = json.loads(res.stdout)
+    assert d["u1"]["model"]["sha256"] == sha(B["v2"]) and d["u1"]["last_job"]["state"] == "committed"
+    res = subprocess.run([str(BIN / "tandoor"), "fleet", "status", "job-v2", "--broker",
+                          f"mqtt://127.0.0.1:{broker.port}", "--json"], capture_output=True, text=True, timeout=60)
+    assert {k: v["state"] for k, v in json.loads(res.stdout).items()} == {"u1": "committed", "u2": "committed"}
+
+
+def test_same_job_twice_is_a_noop_with_the_same_final_ack(devs, broker, B):
+    rec = devs["rec"]
+    rec.clear()
+    t0 = time.monotonic()
+    out = deploy(broker.port, B["v2"], ["u1"], job_id="job-v2", timeout=60)
+    r = out["devices"]["u1"]
+    assert r["state"] == "committed" and r.get("repeated") is True, r
+    assert time.monotonic() - t0 < 30
+    assert "trial" not in [a["state"] for a in acks(rec, "u1", "job-v2")]
+    assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
+
+
+@pytest.mark.parametrize("which,kind", [("k2", "bad_signature"), ("arm", "wrong_arch")])
+def test_refused_before_trial_old_model_keeps_serving(devs, broker, B, which, kind):
+    rec = devs["rec"]
+    out = deploy(broker.port, B[which], ["u1"], job_id=f"job-{which}", timeout=120)
+    r = out["devices"]["u1"]
+    assert r["state"] == "failed" and r["kind"] == kind, r
+    assert out["aborted"]  # max failures 0: the rollout stops
+    running_sha(rec, "u1", sha(B["v2"]))
+    serving_frames(rec, "u1")
+    assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
+
+
+def test_malformed_offers_and_a_job_while_another_runs(devs, broker, B):
+    rec = devs["rec"]
+    for bad in (b"{not json", b"[1,2]", json.dumps({"job_id": "x/y", "size": 1}).encode(),
+                json.dumps({"job_id": "jm", "size": -5}).encode(), b"\xff" * 10):
+        rec.clear()
+        rec.publish("tandoor/u1/update/job", bad)
+        a = rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack", 20, "error ack").json()
+        assert a["state"] == "failed" and a["kind"] == "malformed" and "malformed" in a["reason"], a
+    # busy: job X is offered but its chunks are held back; job Y arrives meanwhile
+    release = threading.Event()
+
+    def hold(dev, i, attempt, data):
+        return data if release.is_set() else None
+
+    box = {}
+    th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["k2"], ["u1"], job_id="job-x",
+                                                           timeout=120, chunk_hook=hold)))
+    rec.clear()
+    th.start()
+    rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json()["job_id"] == "job-x", 30, "job-x accepted")
+    y = deploy(broker.port, B["v3"], ["u1"], job_id="job-y", timeout=30)["devices"]["u1"]
+    assert y["state"] == "failed" and y["kind"] == "busy" and y["reason"] == "busy: job job-x running", y
+    release.set()  # the device asks again (need) and gets the chunks
+    th.join(150)
+    assert box["devices"]["u1"]["state"] == "failed" and box["devices"]["u1"]["kind"] == "bad_signature"
+    assert rec.on("tandoor/u1/update/need"), "the device asked for the chunks it missed"
+    running_sha(rec, "u1", sha(B["v2"]))
+
+
+def test_tampered_duplicate_and_out_of_order_chunks(devs, broker, B):
+    rec = devs["rec"]
+    rec.clear()
+
+    def shuffle_with_duplicates(dev, order):
+        rng = np.random.default_rng(7)
+        o = list(order) + list(order[::3])
+        rng.shuffle(o)
+        return o
+
+    def tamper_once(dev, i, attempt, data):
+        if i == 1 and attempt == 1:
+            return data[:-1] + bytes([data[-1] ^ 0xFF])
+        return data
+
+    out = deploy(broker.port, B["v3"], ["u2"], job_id="job-v3", order_hook=shuffle_with_duplicates,
+                 chunk_hook=tamper_once)
+    assert out["devices"]["u2"]["state"] == "committed", out
+    needs = [m.json() for m in rec.on("tandoor/u2/update/need")]
+    assert any(n.get("bad") == [1] for n in needs), needs
+    running_sha(rec, "u2", sha(B["v3"]))
+    # always tampered: bounded re-requests, then failed with the reason
+    out = deploy(broker.port, B["v4"], ["u1"], job_id="job-tamper",
+                 chunk_hook=lambda dev, i, k, data: (b"\0" * len(data)) if i == 2 else data)
+    r = out["devices"]["u1"]
+    assert r["state"] == "failed" and r["kind"] == "chunk_hash" and "chunk 2" in r["reason"], r
+    running_sha(rec, "u1", sha(B["v2"]))
+
+
+def test_self_test_failure_is_rolled_back_and_reported(devs, broker, B):
+    rec = devs["rec"]
+    out = deploy(broker.port, B["bad_golden"], ["u1"], job_id="job-bad-golden")
+    r = out["devices"]["u1"]
+    assert r["state"] == "rolled_back" and "golden self-test failed" in r["reason"], r
+    running_sha(rec, "u1", sha(B["v2"]))
+    serving_frames(rec, "u1")
+    assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
+
+
+def test_broker_restart_mid_transfer_resumes(devs, broker, B):
+    rec = devs["rec"]
+    n = -(-B["v4"].stat().st_size // CHUNK)
+    half = threading.Event()
+
+    def first_half_only(dev, i, attempt, data):
+        if attempt == 1 and i >= n // 2:
+            half.set()
+            return None
+        return data
+
+    box = {}
+    th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["v4"], ["u2"], job_id="job-v4",
+                                                           chunk_hook=first_half_only)))
+    th.start()
+    assert half.wait(60)
+    time.sleep(0.5)
+    broker.kill()
+    time.sleep(1.0)
+    broker.start()
+    t_back = time.time()
+    th.join(280)
+    assert box["devices"]["u2"]["state"] == "committed", box
+    needs = [m for m in rec.on("tandoor/u2/update/need") if m.t >= t_back and m.json()["job_id"] == "job-v4"]
+    assert needs and needs[0].json()["n_missing"] < n, "resumed: asked only for what was missing"
+    running_sha(rec, "u2", sha(B["v4"]), 90)
+
+
+def test_rollback_command_returns_to_the_previous_slot(devs, broker, B):
+    rec = devs["rec"]
+    res = subprocess.run([str(BIN / "tandoor"), "fleet", "rollback", "--devices", "u2", "--broker",
+                          f"mqtt://127.0.0.1:{broker.port}", "--json"], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = json.loads(res.stdout)["u2"]
+    assert r["ok"] and r["result"]["sha256"] == sha(B["v3"]), r
+    running_sha(rec, "u2", sha(B["v3"]))
+    serving_frames(rec, "u2")
+    assert_committed_state(devs["slots"]["u2"], sha(B["v3"]))
+
+
+# --- SIGKILL at each state ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("state", ["received", "staged", "trial"])
+def test_sigkill_at_each_state_ends_consistent_and_serving(wd, broker, B, state):
+    dev = f"k-{state}"
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec, env={"TANDOOR_UPDATE_CRASH_AT": state})
+        box = {}
+        job = f"job-kill-{state}"
+        th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["v2"], [dev], job_id=job)))
+        th.start()
+        try:
+            a.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            a.kill()
+            pytest.fail(f"the agent was not killed at {state}: {a.output()[-2000:]}")
+        assert a.proc.returncode == -9
+        a.stop()
+        b = AgentProcess(["--config", str(cfg)], wd / f"{dev}-2.log")
+        try:
+            th.join(280)
+            r = box["devices"][dev]
+            want = "v2" if state == "received" else "v1"
+            if state == "received":
+                assert r["state"] == "committed", r
+            else:
+                assert r["state"] == "rolled_back" and "restarted before the trial was committed" in r["reason"], r
+            running_sha(rec, dev, sha(B[want]), START_TIMEOUT)
+            serving_frames(rec, dev)
+            assert_committed_state(sd, sha(B[want]))
+        finally:
+            b.stop()
+
+
+# --- a full disk --------------------------------------------------------------------------------------
+
+def test_full_disk_while_staging_is_refused_and_the_old_model_keeps_serving(wd, broker, B, tmp_path):
+    size = B["v1"].stat().st_size
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    total = (size + size // 2 + slots.DEFAULT_RESERVE + 4095) // 4096 * 4096
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={total}", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        sd = seed_slots(mnt / "slots", B["v1"], B["pub"])
+        dev = "full"
+        cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+        with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+            a = start_agent(wd, dev, cfg, rec)
+            try:
+                out = deploy(broker.port, B["v2"], [dev], job_id="job-full", timeout=60)
+                r = out["devices"][dev]
+                assert r["state"] == "failed" and r["kind"] == "no_space", r
+                assert "running model is untouched" in r["reason"]
+                running_sha(rec, dev, sha(B["v1"]))
+                serving_frames(rec, dev)
+                assert_committed_state(sd, sha(B["v1"]))
+                assert not list((sd / "staging").glob("*.part"))
+            finally:
+                a.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
