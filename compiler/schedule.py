@@ -19,14 +19,12 @@ CPU rules only cover GEMV and row reductions. So here are three small rule-based
 A rule that does not apply (or fails) leaves the function to the next one; anything no rule takes
 keeps TVM's default loops, so correctness never depends on these rules matching.
 
-Threads: TVM's runtime uses TVM_NUM_THREADS threads, and counts 1 on this VM when it is unset.
-:func:`default_threads` sets it to the machine's CPU count when the caller has not set it; it
-must run before the first parallel TVM call in the process.
+Threads are the runtime's business, not the library's: TVM's pool uses TVM_NUM_THREADS and counts
+1 on a 2-vCPU VM when it is unset, and bound workers stall under load (TVM_BIND_THREADS=0 helps);
+tandoor_agent.profile.configure_tvm_threads() sets both before TVM's pool starts.
 """
 
 from __future__ import annotations
-
-import os
 
 import tvm
 from tvm import relax, s_tir, tirx
@@ -35,17 +33,6 @@ from tvm.s_tir.dlight.base import ScheduleRule
 
 #: Conv kernel layout of the TVM side (ACL's orders keep OHWI; they are made before this).
 TVM_CONV_LAYOUT = ["NHWC", "HWIO"]
-
-
-def default_threads() -> int:
-    """Set TVM_NUM_THREADS to the CPU count unless the user set it. Returns the value in force."""
-    if not os.environ.get("TVM_NUM_THREADS"):
-        try:
-            n = len(os.sched_getaffinity(0))
-        except AttributeError:
-            n = os.cpu_count() or 1
-        os.environ["TVM_NUM_THREADS"] = str(max(n, 1))
-    return int(os.environ["TVM_NUM_THREADS"])
 
 
 def vector_regs(target: tvm.target.Target) -> tuple[int, int]:
