@@ -155,6 +155,11 @@ class HybridModule:
         # First, before anything is written, imported or built: is there a lib for this machine?
         self.target = bundle.lib_for()
 
+        # TVM counts 1 thread on small VMs when TVM_NUM_THREADS is unset: set it (and unbound
+        # workers) before the first parallel TVM call starts its pool.
+        from .profile import configure_tvm_threads
+
+        configure_tvm_threads()
         import tvm
         import tvm_ffi
         from tvm import relax
