@@ -119,6 +119,15 @@ def check_inputs(manifest: dict, inputs: list[np.ndarray]) -> None:
 ACCELERATED_ARMNN = ("CpuAcc", "GpuAcc")
 
 
+def _board_model() -> str:
+    from .profile import board_model
+
+    try:
+        return board_model()
+    except Exception:
+        return ""
+
+
 def _auto_preference(armnn_backends: tuple[str, ...]) -> list[str]:
     """armnn first only where it brings ACL (CpuAcc/GpuAcc). Its CpuRef backend is a reference
     implementation, seconds per CNN inference, far slower than onnxruntime on the same CPU."""
@@ -173,6 +182,10 @@ class HybridModule:
         self._executors = {}
         preference = _auto_preference(armnn_backends) if delegate == "auto" else \
             [delegate] + [e for e in EXECUTORS if e != delegate]
+        # compile --profile recorded a measured executor per subgraph; follow it in auto mode only
+        # on the board it was measured on (a profile from another board says nothing here).
+        prof = self.manifest.get("profile") or {}
+        profiled_here = bool(prof) and prof.get("board") == _board_model()
         try:
             for part in self.manifest.get("partitions", []):
                 if not part.get("delegate"):
@@ -180,7 +193,9 @@ class HybridModule:
                 symbol = part["symbol"]
                 order = bundle.order(symbol)
                 reasons = []
-                for kind in preference:
+                hint = part.get("executor") if delegate == "auto" and profiled_here else None
+                order_pref = [hint] + [e for e in preference if e != hint] if hint in EXECUTORS else preference
+                for kind in order_pref:
                     try:
                         ex = _build_executor(kind, bundle, symbol, order, self.target, workdir, armnn_backends)
                     except hmod.BundleError:
