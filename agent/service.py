@@ -236,6 +236,8 @@ class Service:
         self.notifier.status("reloading the bundle")
         new = Model(self.cfg).build(self.cfg)  # closes itself when it fails
         self.model = new
+        if self.telemetry is not None:
+            self.telemetry.reset_latency()
         if old is not None:
             old.close()
         self.link.set_identity(model=new.info, slot=new.slot)
@@ -281,6 +283,8 @@ class Service:
         new, done = pending
         old, self.model = self.model, new
         self.swaps += 1
+        if self.telemetry is not None:
+            self.telemetry.reset_latency()  # the percentiles from here on are the new model's
         done.set()
         if old is not None:
             old.close()
@@ -311,7 +315,7 @@ class Service:
         snap = self.telemetry.snapshot()
         snap["uptime_s"] = round(time.monotonic() - self.t_start, 1)
         if self.model is not None:
-            snap["model"] = {"name": self.model.info["name"], "version": self.model.info["version"]}
+            snap["model"] = {k: self.model.info[k] for k in ("name", "version", "sha256")}
         snap["camera"] = self.source.stats() if self.source is not None else None
         snap["mqtt"] = self.link.stats()
         snap["state"] = self.state

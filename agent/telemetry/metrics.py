@@ -17,7 +17,8 @@ Snapshot layout (every value JSON-able; no NaN; ``null`` where there is nothing 
       "frames": 1234,                  # processed frames since start
       "dropped": 17,                   # frames skipped (latest-frame policy) since start
       "errors": 0,                     # failed frames since start
-      "latency_ms": {                  # per stage, over the last `window` samples (1000)
+      "latency_ms": {                  # per stage, over the last `window` samples (1000) of the
+                                       # model now serving (reset_latency() at a hot swap)
         "capture":     {"p50": 1.2, "p95": 1.9, "p99": 2.4, "mean": 1.3, "count": 1000},
         "preprocess":  {...}, "inference": {...}, "postprocess": {...}
                                        # the four stages always present (values null until
@@ -107,6 +108,12 @@ class LatencyStats:
         with self._lock:
             stages = list(self._samples)
         return {s: self.stage(s) for s in stages}
+
+    def reset(self) -> None:
+        """Forget every sample (the agent swapped models: the next numbers are the new model's)."""
+        with self._lock:
+            for q in self._samples.values():
+                q.clear()
 
 
 class StageTimer:
@@ -254,6 +261,10 @@ class Telemetry:
     def error(self) -> None:
         with self._lock:
             self.errors += 1
+
+    def reset_latency(self) -> None:
+        """A new model serves: latency percentiles start over so they describe it alone."""
+        self.latency.reset()
 
     def sample_power(self) -> tuple[dict[str, float], float | None]:
         """Read the power source now and feed the energy meter."""
