@@ -249,7 +249,9 @@ def keygen(out):
 # ------------------------------------------------------------------------------------ fleet
 def _broker_options(f):
     f = click.option("--prefix", default="tandoor", show_default=True, help="Topic prefix (broker.topic_prefix).")(f)
-    f = click.option("--cafile", type=click.Path(dir_okay=False), help="CA (PEM) of the broker's TLS certificate.")(f)
+    f = click.option("--cafile", type=click.Path(exists=True, dir_okay=False),
+                     help="CA (PEM) that signed the broker's TLS certificate (a private CA); "
+                          "default with mqtts://: the system CAs.")(f)
     f = click.option("--broker", envvar="TANDOOR_BROKER", default="mqtt://localhost:1883", show_default=True,
                      help="mqtt[s]://user:pass@host:port (or $TANDOOR_BROKER).")(f)
     return f
@@ -312,8 +314,10 @@ def fleet_devices(broker, cafile, prefix, as_json, wait):
 @click.option("--chunk-size", default=64 * 1024, show_default=True, help="Bytes per chunk message.")
 @click.option("--health-frames", default=20, show_default=True, help="Frames the device health gate runs.")
 @click.option("--job-id", help="Job id (default: <model>-v<version>-<sha8>-<time>); the same id again is a no-op.")
-@click.option("--canary-soak", default=0.0, show_default=True,
-              help="Seconds to wait for canary telemetry with the new model before the p95 check.")
+@click.option("--canary-soak", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds the canaries serve the new model before their telemetry p95 (inference, every "
+                   "frame since the swap) is checked against --latency-budget-ms; give it a few telemetry "
+                   "periods. Without telemetry: the p95 of the device health gate.")
 @click.option("--json", "as_json", is_flag=True, help="Per device: final state and reason, as JSON.")
 def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_failures, latency_budget_ms, timeout,
                  wave_size, chunk_size, health_frames, job_id, canary_soak, as_json):

@@ -6,7 +6,8 @@ VerneMQ; docs/fleet.md). The device side is agent/updater.py; the topics are in 
 A deploy is a staged rollout: the canaries (``canary_pct`` of the devices, at least one) get the
 job first; when their final acks are in, the rollout stops (every remaining device ``skipped``)
 if more than ``max_failures`` devices failed or rolled back, or if a canary's p95 latency after
-the commit (its telemetry, else the p95 its health gate measured) is over ``latency_budget_ms``.
+the commit (its telemetry with the new model, after ``canary_soak_s`` seconds of serving; else the
+p95 its health gate measured) is over ``latency_budget_ms``.
 Then the rest in waves of ``wave_size`` (0: all at once), with the same failure check after each.
 Each device gets the job offer, then every chunk (QoS 1, paced); chunks a device asks for on
 ``update/need`` are sent again; a device that has not answered an offer in ``offer_retry_s`` gets
@@ -94,6 +95,7 @@ class Fleet:
 
         self._mqtt = mqtt
         self.url = BrokerURL.parse(broker)
+        self.cafile = cafile
         self.prefix = prefix
         self.window = window
         self.log = log or (lambda s: None)
@@ -135,10 +137,34 @@ class Fleet:
         if not self.subscribed.wait(timeout):
             self.c.loop_stop()
             raise FleetError(self.auth_error or f"cannot connect to {self.url.host}:{self.url.port} "
-                             f"within {timeout:g} s")
+                             f"within {timeout:g} s{self._why_not()}")
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="fleet-sender")
         self._sender.start()
         return self
+
+    def _why_not(self) -> str:
+        """After a failed connect, a second look at the socket (paho does not say): ': <why>'."""
+        import socket
+        import ssl
+
+        try:
+            sock = socket.create_connection((self.url.host, self.url.port), timeout=5)
+        except OSError as e:
+            return f": {e.strerror or e}"
+        with sock:
+            if not self.url.tls and not self.cafile:
+                return " (the port accepts connections but does not answer MQTT: a TLS listener? use mqtts:// " \
+                       "and --cafile)"
+            ctx = ssl.create_default_context(cafile=self.cafile)
+            try:
+                ctx.wrap_socket(sock, server_hostname=self.url.host).close()
+            except ssl.SSLCertVerificationError as e:
+                return (f": TLS certificate not trusted ({e.verify_message}); give the CA that signed the "
+                        f"broker's certificate with --cafile" if e.verify_code != 62 else
+                        f": TLS certificate does not name {self.url.host} ({e.verify_message})")
+            except (ssl.SSLError, OSError) as e:
+                return f": TLS handshake failed ({e}); is the port a TLS listener?"
+        return ""
 
     def close(self) -> None:
         self._closing = True
@@ -344,6 +370,7 @@ class Fleet:
         attempts: dict[tuple[str, int], int] = {}
         t_start_wall = time.time()
         live: dict[str, dict] = {}   # dev -> {"last_offer": t, "answered": bool, "pending": set()}
+        final_at: dict[str, float] = {}  # dev -> wall time its final ack arrived
         lock = threading.Lock()
 
         from paho.mqtt.packettypes import PacketTypes
@@ -399,6 +426,7 @@ class Fleet:
                         r[k] = body[k]
                 if st in FINAL:
                     r["t_final"] = round(time.monotonic() - t0, 3)
+                    final_at[dev] = time.time()
                     with lock:
                         live[dev]["pending"].clear()
                     progress(f"{dev}: {st}" + (f" ({body.get('reason')})" if body.get("reason") else ""))
@@ -460,9 +488,14 @@ class Fleet:
                 if failures > max_failures:
                     aborted = f"{failures} device(s) failed or rolled back (max {max_failures})"
                 elif wi == 0 and n_canary and latency_budget_ms is not None:
-                    worst = self._canary_p95(wave, res, model, canary_soak_s)
+                    if canary_soak_s > 0:
+                        progress(f"canary soak: {canary_soak_s:g} s of telemetry with the new model")
+                    worst = self._canary_p95(wave, res, final_at, sha, model, canary_soak_s)
                     if worst is not None and worst[1] > latency_budget_ms:
-                        aborted = (f"canary {worst[0]} p95 latency {worst[1]:.3g} ms over the budget "
+                        r = res[worst[0]]
+                        how = (f"its telemetry over {r['telemetry_frames']} frame(s) since the swap"
+                               if r["p95_source"] == "telemetry" else "its health gate")
+                        aborted = (f"canary {worst[0]} p95 latency {worst[1]:.3g} ms ({how}) over the budget "
                                    f"{latency_budget_ms:g} ms")
                 if aborted:
                     progress(f"aborting the rollout: {aborted}")
@@ -475,27 +508,49 @@ class Fleet:
                 "n_chunks": len(chunks), "devices": res, "aborted": aborted, "counts": counts,
                 "waves": [len(w) for w in waves], "seconds": round(time.monotonic() - t0, 3)}
 
-    def _canary_p95(self, wave: list[str], res: dict, model: dict, soak_s: float) -> tuple[str, float] | None:
-        """The worst canary p95 (ms): inference p95 from telemetry taken after the commit with the
-        new model, else the p95 the device's health gate measured."""
-        t_end = time.monotonic() + soak_s
-        worst = None
+    def _canary_p95(self, wave: list[str], res: dict, final_at: dict[str, float], sha: str, model: dict,
+                    soak_s: float) -> tuple[str, float] | None:
+        """The worst canary p95 (ms) after the commit, and where each number came from.
+
+        For each committed canary: the inference p95 of its latest telemetry about the new model
+        (``model.sha256`` = the bundle's; from agents that do not send the sha, the version in a
+        message received after the commit). The agent starts its latency window over at the hot
+        swap, so that p95 is the new model's alone, under the real camera load. With ``soak_s`` >
+        0 the canaries serve that long after the last commit before the numbers are read (the
+        latest message covers every frame since the swap). A canary without such telemetry is
+        judged by the p95 its health gate measured (the committed ack), if any. Per canary
+        ``res`` gets ``p95_ms_seen``, ``p95_source`` ("telemetry" | "health gate") and, from
+        telemetry, ``telemetry_frames``."""
         committed = [d for d in wave if res[d]["state"] == "committed"]
-        while True:
-            worst = None
-            missing = False
-            for d in committed:
-                p = None
+        if not committed:
+            return None
+        end = max(final_at.get(d, 0.0) for d in committed) + soak_s
+        while time.time() < end:
+            time.sleep(min(0.2, max(0.0, end - time.time())))
+
+        def fresh(d: str) -> dict | None:
+            with self._cond:
                 tel = self.telemetry.get(d)
-                if tel and (tel.get("model") or {}).get("version") == model.get("version"):
-                    p = ((tel.get("latency_ms") or {}).get("inference") or {}).get("p95")
-                if p is None:
-                    missing = True
-                    p = res[d].get("p95_ms")
-                if p is not None:
-                    res[d]["p95_ms_seen"] = p
-                    if worst is None or p > worst[1]:
-                        worst = (d, float(p))
-            if not missing or time.monotonic() > t_end:
-                return worst
-            time.sleep(0.2)
+            m = (tel or {}).get("model") or {}
+            if m.get("sha256"):
+                ok = m["sha256"] == sha
+            else:  # an agent that does not say its sha: the version, and only after the commit
+                ok = m.get("version") == model.get("version") and tel.get("_rx", 0) > final_at.get(d, 0.0)
+            inf = ((tel or {}).get("latency_ms") or {}).get("inference") or {}
+            return inf if ok and inf.get("p95") is not None and inf.get("count") else None
+
+        worst = None
+        for d in committed:
+            inf = fresh(d)
+            if inf is not None:
+                p, src = float(inf["p95"]), "telemetry"
+                res[d]["telemetry_frames"] = inf["count"]
+            elif res[d].get("p95_ms") is not None:
+                p, src = float(res[d]["p95_ms"]), "health gate"
+            else:
+                res[d]["p95_source"] = None
+                continue
+            res[d].update(p95_ms_seen=p, p95_source=src)
+            if worst is None or p > worst[1]:
+                worst = (d, p)
+        return worst

@@ -1,8 +1,11 @@
 """The fleet side against a real mosquitto: the repo's secured config (mosquitto/tandoor.conf +
 acl, generated passwords) refuses a device that publishes or subscribes on another device's
-topics; a canary rollout to simulated agents (scripts/fleet-sim.py: real MQTT clients, the real
-updater and SlotStore, no inference) aborts the remaining devices when failures exceed
---max-failures; a 10-agent simulation smoke test."""
+topics; the same config's TLS listener (certificates made here) carries a real agent and
+`tandoor fleet devices --broker mqtts://... --cafile` while plain MQTT on that port gets nowhere;
+a canary rollout to real agents aborts the rest when the canary's telemetry p95 is over
+--latency-budget-ms; a canary rollout to simulated agents (scripts/fleet-sim.py: real MQTT
+clients, the real updater and SlotStore, no inference) aborts the remaining devices when failures
+exceed --max-failures; a 10-agent simulation smoke test."""
 
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, ROOT
-from mosquitto import MOSQUITTO, Broker, available
-from test_updates import make_bundles
+from mosquitto import MOSQUITTO, Broker, Recorder, available, make_tls_files
+from test_mqtt_agent import START_TIMEOUT, AgentProcess
+from test_updates import agent_config, make_bundles, running_sha, seed_slots, sha
 
 pytestmark = pytest.mark.skipif(not available(), reason="mosquitto is not installed (apt install mosquitto)")
 
@@ -39,9 +43,10 @@ def B(bundles_dir, tmp_path_factory):
 
 # --- the secured broker config --------------------------------------------------------------------
 
-def secured_broker(d: Path, users: dict[str, str]) -> Broker:
+def secured_broker(d: Path, users: dict[str, str], tls: dict[str, Path] | None = None) -> Broker:
     """mosquitto/tandoor.conf with its global part as shipped (auth, ACL file, limits), the file
-    paths pointed at temp files, and a plain listener on a free port instead of the TLS one."""
+    paths pointed at temp files, and on a free port either a plain listener or (``tls``: the
+    make_tls_files certificates) the shipped TLS listener with its certificate paths replaced."""
     import shutil
 
     passwd = d / "tandoor.passwd"
@@ -49,15 +54,22 @@ def secured_broker(d: Path, users: dict[str, str]) -> Broker:
         tool = shutil.which("mosquitto_passwd") or str(Path(MOSQUITTO).with_name("mosquitto_passwd"))
         subprocess.run([tool, *(["-c"] if i == 0 else []), "-b", str(passwd), u, p], check=True)
     conf = (ROOT / "mosquitto" / "tandoor.conf").read_text()
-    glob = conf.split("# ---- listeners")[0]
+    glob, listeners = conf.split("# ---- listeners")
     assert re.search(r"^allow_anonymous false$", glob, re.M) and re.search(r"^acl_file ", glob, re.M)
     glob = re.sub(r"^password_file .*$", f"password_file {passwd}", glob, flags=re.M)
     glob = re.sub(r"^acl_file .*$", f"acl_file {ROOT / 'mosquitto' / 'acl'}", glob, flags=re.M)
     glob = re.sub(r"^persistence true$", "persistence false", glob, flags=re.M)
     glob = re.sub(r"^(persistence_location|autosave_interval|log_dest) .*$", "", glob, flags=re.M)
     b = Broker(d / "broker")
+    listener = f"listener {b.port} 127.0.0.1\n"
+    if tls is not None:
+        m = re.search(r"^listener 8883\n(.*?)\n\n", listeners, re.M | re.S)
+        assert m and "certfile" in m.group(1), "the shipped TLS listener"
+        listener += re.sub(r"^(cafile|certfile|keyfile) .*$",
+                           lambda k: f"{k.group(1)} {tls[{'cafile': 'ca', 'certfile': 'cert', 'keyfile': 'key'}[k.group(1)]]}",
+                           m.group(1), flags=re.M) + "\n"
     # started as root, mosquitto would drop to user mosquitto, who cannot read pytest's temp dir
-    b.conf.write_text(glob + f"\nuser root\nlog_dest stderr\nlistener {b.port} 127.0.0.1\n")
+    b.conf.write_text(glob + f"\nuser root\nlog_dest stderr\n" + listener)
     return b.start()
 
 
@@ -156,6 +168,125 @@ def test_secured_broker_refuses_another_devices_topics(tmp_path):
             c.close()
     finally:
         b.stop()
+
+
+def fleet_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "tandoor"), "fleet", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_agent_and_fleet_over_the_shipped_tls_listener(tmp_path, B):
+    """mosquitto/tandoor.conf's TLS listener with a CA and server certificate made here: a real
+    agent (broker.tls.ca, user = device_id, password_file) shows up in `tandoor fleet devices
+    --broker mqtts://... --cafile ca.pem`; the same port refuses plain MQTT, and TLS without
+    the private CA (system CAs only) is refused, each with one line and exit code 2."""
+    tls = make_tls_files(tmp_path / "tls")
+    users = {"tls-dev": "dev pass", "fleet-operator": "op-secret"}
+    b = secured_broker(tmp_path, users, tls=tls)
+    (tmp_path / "dev.pass").write_text("dev pass\n")
+    cfg = tmp_path / "tls-dev.toml"
+    cfg.write_text(f"""device_id = "tls-dev"
+bundle = "{B['v1']}"
+trusted_keys = ["{B['pub']}"]
+delegate = "onnxruntime"
+telemetry_period_s = 1.0
+
+[broker]
+host = "localhost"
+port = {b.port}
+username = "tls-dev"
+password_file = "{tmp_path / 'dev.pass'}"
+reconnect_min_s = 0.5
+reconnect_max_s = 2.0
+
+[broker.tls]
+ca = "{tls['ca']}"
+
+[camera]
+source = "synthetic:64x48@10"
+""")
+    url = f"mqtts://fleet-operator:op-secret@localhost:{b.port}"
+    agent = AgentProcess(["--config", str(cfg)], tmp_path / "tls-dev.log")
+    try:
+        from tandoor_compiler.fleet import Fleet
+
+        with Fleet(url, cafile=str(tls["ca"])) as f:  # over TLS: wait until the agent serves
+            deadline = time.monotonic() + START_TIMEOUT
+            while (f.status.get("tls-dev") or {}).get("state") != "running" and time.monotonic() < deadline:
+                assert agent.proc.poll() is None, agent.output()[-2000:]
+                time.sleep(0.5)
+        r = fleet_cli("devices", "--broker", url, "--cafile", str(tls["ca"]), "--json")
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)["tls-dev"]
+        assert d["online"] is True and d["state"] == "running", d
+        assert d["model"]["sha256"] == sha(B["v1"]) and d["model"]["version"] == "1"
+        r = fleet_cli("devices", "--broker", url, "--cafile", str(tls["ca"]))  # the table a person reads
+        assert r.returncode == 0 and re.search(r"^tls-dev\s+online\s+running\s+dynamic_batch v1 ", r.stdout, re.M), r.stdout
+        # plain MQTT to the TLS port: no MQTT answer, said in one line
+        r = fleet_cli("devices", "--broker", f"mqtt://fleet-operator:op-secret@localhost:{b.port}")
+        assert r.returncode == 2 and r.stdout == "", r.stdout
+        assert r.stderr.count("\n") == 1 and "does not answer MQTT: a TLS listener?" in r.stderr, r.stderr
+        # TLS without the private CA: the broker's certificate is not trusted
+        r = fleet_cli("devices", "--broker", url)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "TLS certificate not trusted" in r.stderr and "--cafile" in r.stderr, r.stderr
+    finally:
+        agent.stop()
+        b.stop()
+    log = agent.output()
+    assert "tandoor-agent: error" not in log, log[-2000:]
+
+
+# --- canary abort on the canary's telemetry p95 (real agents) -----------------------------------------
+
+def test_canary_aborts_when_its_telemetry_p95_is_over_the_budget(tmp_path, B):
+    """Two real agents on v1. --health-frames 0: the device gate checks only the golden
+    self-test, its committed ack carries no p95, so only the canary's telemetry after the swap can
+    show the latency. A budget under that real p95 stops the rollout after the canary (the other
+    device skipped, with the canary's measured number in the reason); a budget it fits lets the
+    next job through to both."""
+    devs = ("c1", "c2")
+    with Broker(tmp_path / "broker") as b, Recorder(b.port, "tandoor/+/telemetry") as tel:
+        procs = {}
+        try:
+            for dev in devs:
+                sd = seed_slots(tmp_path / f"{dev}-slots", B["v1"], B["pub"])
+                procs[dev] = AgentProcess(["--config", str(agent_config(tmp_path, dev, b.port, sd, B["pub"]))],
+                                          tmp_path / f"{dev}.log")
+            for dev in devs:
+                running_sha(tel, dev, sha(B["v1"]), START_TIMEOUT)
+            common = ["--devices", "c1,c2", "--canary", "50%", "--health-frames", "0", "--canary-soak", "2",
+                      "--broker", f"mqtt://127.0.0.1:{b.port}", "--timeout", "180", "--json"]
+            r = fleet_cli("deploy", str(B["v2"]), "--latency-budget-ms", "0.001", *common, timeout=300)
+            assert r.returncode == 1, r.stderr
+            out = json.loads(r.stdout)
+            c1, c2 = out["devices"]["c1"], out["devices"]["c2"]
+            assert c1["state"] == "committed" and c1["wave"] == "canary", c1
+            assert "p95_ms" not in c1 and c1["health"]["p95_ms"] is None, c1  # the gate measured no latency
+            assert c1["p95_source"] == "telemetry" and c1["p95_ms_seen"] > 0.001, c1
+            # the number is the canary's own telemetry about v2, over the frames since the swap only
+            mine = [m.json() for m in tel.on("tandoor/c1/telemetry") if m.json()["model"].get("sha256") == sha(B["v2"])]
+            seen = [t for t in mine if t["latency_ms"]["inference"]["p95"] == c1["p95_ms_seen"]
+                    and t["latency_ms"]["inference"]["count"] == c1["telemetry_frames"]]
+            assert seen, (c1, [t["latency_ms"]["inference"] for t in mine])
+            assert 0 < c1["telemetry_frames"] < seen[0]["frames"], "the latency window started over at the swap"
+            want = (f"canary c1 p95 latency {c1['p95_ms_seen']:.3g} ms (its telemetry over {c1['telemetry_frames']} "
+                    f"frame(s) since the swap) over the budget 0.001 ms")
+            assert out["aborted"] == want
+            assert c2 == {"state": "skipped", "reason": f"rollout aborted: {want}"}, c2
+            assert out["counts"] == {"committed": 1, "skipped": 1}
+            running_sha(tel, "c2", sha(B["v1"]))  # never offered the job
+            # a budget the real p95 fits: the canary passes and the rest follow
+            r = fleet_cli("deploy", str(B["v3"]), "--latency-budget-ms", "1000", *common, timeout=300)
+            assert r.returncode == 0, r.stdout + r.stderr
+            out = json.loads(r.stdout)
+            assert out["aborted"] is None and out["counts"] == {"committed": 2}, out
+            c1 = out["devices"]["c1"]
+            assert c1["p95_source"] == "telemetry" and 0 < c1["p95_ms_seen"] <= 1000, c1
+            for dev in devs:
+                running_sha(tel, dev, sha(B["v3"]))
+        finally:
+            for p in procs.values():
+                p.stop()
 
 
 # --- canary abort on simulated agents ---------------------------------------------------------------
