@@ -109,7 +109,9 @@ def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, as_
             click.echo(f"  {score:6.3f}  {label}")
     for s in result["subgraphs"]:
         bridge = f", bridge {s['bridge_us']:.0f} us/call" if "bridge_us" in s else ""
-        click.echo(f"subgraph {s['symbol']}: {s['executor']} ({s['backend']}{bridge})"
+        layers = s.get("layers") or {}
+        spread = f", layers {' '.join(f'{b}:{n}' for b, n in layers.items())}" if len(layers) > 1 else ""
+        click.echo(f"subgraph {s['symbol']}: {s['executor']} ({s['backend']}{spread}{bridge})"
                    + (f" [fallback: {s['fallback_reason']}]" if s.get("fallback_reason") else ""))
     lat = result["latency_ms"]
     click.echo(f"latency: median {lat['median']:.2f} ms, p95 {lat['p95']:.2f} ms over {lat['runs']} run(s)")

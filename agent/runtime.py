@@ -51,6 +51,8 @@ class Subgraph:
     executor: str
     backend: str
     fallback_reason: str | None = None
+    # Arm NN: compute layers per backend after Optimize (a layer CpuAcc lacks lands on CpuRef)
+    layers: dict[str, int] | None = None
     calls: int = 0
     seconds: float = 0.0
     zero_copy: bool = False  # outputs written straight into the VM's buffers on the last call
@@ -203,7 +205,8 @@ class HybridModule:
                     except Exception as err:  # this executor cannot build it -> the next one
                         reasons.append(f"{kind}: {_first_line(err)}")
                         continue
-                    sg = Subgraph(symbol, kind, str(getattr(ex, "backend", "?")), "; ".join(reasons) or None)
+                    sg = Subgraph(symbol, kind, str(getattr(ex, "backend", "?")), "; ".join(reasons) or None,
+                                  getattr(ex, "layer_counts", None))
                     if reasons:
                         log.warning("%s runs on %s (fallback: %s)", symbol, kind, sg.fallback_reason)
                     else:
@@ -265,6 +268,8 @@ class HybridModule:
             d = {"symbol": s.symbol, "executor": s.executor, "backend": s.backend}
             if s.fallback_reason:
                 d["fallback_reason"] = s.fallback_reason
+            if s.layers:
+                d["layers"] = dict(s.layers)
             if s.calls:
                 d.update(calls=s.calls, run_us=round(s.run_us(), 1), bridge_us=round(s.bridge_us(), 1),
                          zero_copy=s.zero_copy)

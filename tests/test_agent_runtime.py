@@ -328,6 +328,8 @@ def test_model_through_executor(name, delegate, bundles_dir, tmp_path):
             assert s["backend"] in armnn_ex.backends()
             if hmod.machine_arch() == "x86_64":
                 assert s["backend"] == "CpuRef"
+            # every compute layer placed on the reported backend (counted after Optimize)
+            assert set(s["layers"]) == {s["backend"]} and s["layers"][s["backend"]] > 0
         assert s["calls"] == int(repeat)
         assert s["bridge_us"] >= 0 and s["run_us"] > 0
         # outputs land in the VM's buffers without a copy where the library allows it

@@ -360,6 +360,7 @@ class ArmnnExecutor:
             self.messages.append(str(load_msgs))
         compute = [b for _, t, b in self.layer_backends if t not in ("Input", "Output")]
         counts = Counter(compute or [b for _, _, b in self.layer_backends])
+        self.layer_counts = dict(counts)
         self.backend = counts.most_common(1)[0][0] if counts else self.requested_backends[0]
         self._in_infos = [rt.GetInputTensorInfo(net_id, i) for i in range(len(self.input_names))]
         self._out_infos = [rt.GetOutputTensorInfo(net_id, j) for j in range(len(self.output_names))]
