@@ -7,14 +7,17 @@
 #   scripts/board/build.sh            build or reuse; prints the rootfs path on stdout
 #   scripts/board/build.sh --rebuild  ignore the cache
 #
-# Two layers, both checked on every run:
-#   base    apt packages + venv with the agent's dependencies. Cached as
-#           $TANDOOR_CACHE/board/board-<key>.tar.zst, key = sha256 of this script (which holds the
-#           package list) and pyproject.toml. Missing or stale: rebuilt (~5 min on 2 cores).
-#           Fresh: unpacked in seconds, or used in place if the unpacked rootfs already has it.
-#   source  the checkout's pyproject.toml, README.md, agent/, compiler/, systemd/. When they
-#           differ from what the rootfs has, they are copied in again and pip-installed with
-#           --no-deps (seconds), so editing the agent never costs a base rebuild.
+# Layers, each rebuilt only when its own inputs change (cache in $TANDOOR_CACHE/board/):
+#   debian  mmdebstrap arm64 minbase + python3, python3-venv, python3-pyarmnn and the CpuAcc and
+#           CpuRef backends -> debian-<key>.tar.zst; key: suite, mirrors, package list, recipe.
+#   board   + the host's local CA certificates, the checkout copied to /opt/tandoor/src and
+#           scripts/board/install-on-board.sh run inside (venv, pip install of the agent extra,
+#           binary wheels only, unit file) -> board-<key>.tar.zst; key: the debian key, the
+#           dependency lists of pyproject.toml, install-on-board.sh, this script, the CA certs.
+#           A fresh one unpacks in seconds, or is used in place when $TANDOOR_BOARD_ROOT has it.
+#   source  the checkout's pyproject.toml, README.md, agent/, compiler/, systemd/: when they differ
+#           from what the rootfs has, they are copied in again and pip-installed with --no-deps
+#           (under a minute), so editing the agent never costs a rebuild.
 # Exit status 77: this machine cannot run an arm64 board (no root, no binfmt_misc...).
 # Env: TANDOOR_CACHE, TANDOOR_BOARD_ROOT (see common.sh), TANDOOR_BOARD_MIRROR,
 #      TANDOOR_BOARD_SECURITY_MIRROR, TANDOOR_SKIP_APT=1 (do not apt-get install host tools).
@@ -24,11 +27,9 @@ set -euo pipefail
 SUITE=bookworm
 MIRROR="${TANDOOR_BOARD_MIRROR:-http://deb.debian.org/debian}"
 SECURITY="${TANDOOR_BOARD_SECURITY_MIRROR:-http://deb.debian.org/debian-security}"
-HOST_PKGS=(qemu-user-static binfmt-support mmdebstrap arch-test zstd)
-BOARD_PKGS=(python3 python3-venv ca-certificates
-            python3-pyarmnn libarmnn-cpuacc-backend22 libarmnn-cpuref-backend22)
-# What goes from the checkout onto the board (the package and its unit file).
-SRC_ITEMS=(pyproject.toml README.md agent compiler systemd)
+HOST_PKGS=(qemu-user-static binfmt-support mmdebstrap arch-test zstd dpkg-dev)
+INSTALLER="$BOARD_DIR/install-on-board.sh"
+read -r -a BOARD_PKGS <<< "$(bash "$INSTALLER" --print-packages)"
 
 rebuild=0
 case "${1:-}" in
@@ -38,7 +39,7 @@ case "${1:-}" in
   *) die "unknown argument $1 (try --help)" ;;
 esac
 
-# ------------------------------------------------------------------------------ host side
+# ------------------------------------------------------------------------------ helpers
 ensure_host_tools() {
   [[ "${TANDOOR_SKIP_APT:-0}" == 1 ]] && return 0
   local missing=() p
@@ -58,107 +59,172 @@ can_run_arm64() {
   out="$(arch-test arm64 2>&1)" || cannot "arm64 binaries do not run here (arch-test: $out)"
 }
 
-hash_files() {  # sha256 over names and contents of files under the given paths (relative to SRC_ROOT)
-  (cd "$SRC_ROOT" && find "$@" -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 2>/dev/null |
-     LC_ALL=C sort -z | xargs -0 -r sha256sum) | sha256sum | cut -c1-16
-}
-
-base_key() {
-  { printf '%s\n' "$SUITE" "${BOARD_PKGS[@]}"; cat "${BASH_SOURCE[0]}" "$SRC_ROOT/pyproject.toml"; } |
-    sha256sum | cut -c1-16
-}
+sha() { sha256sum | cut -c1-16; }
 
 src_items() { local i; for i in "${SRC_ITEMS[@]}"; do [[ -e "$SRC_ROOT/$i" ]] && echo "$i"; done; }
 
-# Run a command inside a rootfs that is not (yet) the board; no lock (we hold it exclusively).
-in_root() {
-  local root="$1"; shift
-  unshare --mount --propagation private -- "$BOARD_DIR/enter.sh" "$root" "$(realpath "$CPUINFO")" "" -- "$@"
+hash_src() {  # names and contents of the files the board gets from the checkout
+  # shellcheck disable=SC2046
+  (cd "$SRC_ROOT" && find $(src_items) -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 |
+     LC_ALL=C sort -z | xargs -0 -r sha256sum) | sha
 }
 
-# Copy the checkout's sources to /opt/tandoor/src in ROOT (replacing what was there).
-copy_src() {
-  local root="$1" dst="$1$SRC_IN_BOARD"
+host_cas() { ls /usr/local/share/ca-certificates/*.crt 2>/dev/null || true; }
+
+pyproject_deps() {  # what pip installs besides the package: a change here means a rebuild
+  python3 - "$SRC_ROOT/pyproject.toml" <<'PY' 2>/dev/null || cat "$SRC_ROOT/pyproject.toml"
+import json, sys, tomllib
+d = tomllib.load(open(sys.argv[1], "rb"))
+p = d["project"]
+print(json.dumps([d.get("build-system"), p.get("requires-python"), p.get("dependencies"),
+                  p.get("optional-dependencies", {}).get("agent")], sort_keys=True))
+PY
+}
+
+debian_key() {
+  { printf '%s\n' "$SUITE" "$MIRROR" "$SECURITY" "${BOARD_PKGS[@]}"; declare -f build_debian; } | sha
+}
+
+board_key() {
+  { echo "$1"; pyproject_deps; cat "$INSTALLER"; declare -f build_board fetch_wheels; host_cas | xargs -r cat; } | sha
+}
+
+# Run a command inside a rootfs that is not (yet) the board; no lock (we hold it exclusively).
+#   in_root ROOT CMD...    or    in_root_shared ROOT SHARE_DIR [NAME=VALUE...] -- CMD...
+in_root_shared() {
+  local root="$1" share="$2"; shift 2
+  unshare --mount --propagation private -- "$BOARD_DIR/enter.sh" "$root" "$(realpath "$CPUINFO")" "$share" "$@"
+}
+in_root() { local root="$1"; shift; in_root_shared "$root" "" -- "$@"; }
+
+prefix() { sed -u "s/^/    $1| /" >&2; }
+
+pack() {  # pack DIR TARBALL
+  tar -C "$1" --numeric-owner -I 'zstd -T0 -3' -cpf "$2.tmp" .
+  mv -f "$2.tmp" "$2"
+}
+
+unpack() {  # unpack TARBALL DIR (DIR must not exist)
+  mkdir -p "$2"
+  tar -C "$2" --numeric-owner -I zstd -xpf "$1"
+}
+
+drop_other() {  # drop_other PREFIX KEEP: remove stale cached tarballs of one layer
+  local old
+  for old in "$CACHE/$1"-*.tar.zst; do
+    [[ -e "$old" && "$old" != "$2" ]] || continue
+    say "removing the stale cache $(basename "$old")"
+    rm -f "$old"
+  done
+}
+
+copy_src() {  # the checkout's sources to /opt/tandoor/src in ROOT, replacing what was there
+  local dst="$1$SRC_IN_BOARD"
   rm -rf --one-file-system -- "$dst"
   mkdir -p "$dst"
   # shellcheck disable=SC2046
   tar -C "$SRC_ROOT" --exclude=__pycache__ --exclude='*.pyc' -cf - $(src_items) | tar -C "$dst" -xf -
 }
 
-# systemd unit, if the checkout has one (the board has no systemd running; it is put in place
-# and enabled the way `systemctl enable` would, for a real boot).
-install_unit() {
-  local root="$1" unit="$SRC_ROOT/systemd/tandoor-agent.service"
-  if [[ ! -f "$unit" ]]; then
-    say "no systemd/tandoor-agent.service in the checkout yet; skipping the unit file"
-    return 0
-  fi
-  install -D -m 0644 "$unit" "$root/etc/systemd/system/tandoor-agent.service"
-  local wanted
-  wanted="$(sed -n 's/^WantedBy=[[:space:]]*//p' "$unit" | head -n1)"
-  if [[ -n "$wanted" ]]; then
-    mkdir -p "$root/etc/systemd/system/$wanted.wants"
-    ln -sfn /etc/systemd/system/tandoor-agent.service "$root/etc/systemd/system/$wanted.wants/tandoor-agent.service"
-  fi
-  say "installed systemd unit /etc/systemd/system/tandoor-agent.service${wanted:+ (enabled for $wanted)}"
-}
-
-prefix() { sed -u "s/^/    $1| /" >&2; }
-
-# ------------------------------------------------------------------------------ base layer
-build_base() {
+# ------------------------------------------------------------------------------ layers
+build_debian() {
   local new="$1"
-  safe_rm_rootfs "$new"
-  say "building the arm64 $SUITE rootfs with mmdebstrap (about 3 min): ${BOARD_PKGS[*]}"
-  # In its own mount namespace: whatever mmdebstrap mounts in the target can never outlive it.
+  say "mmdebstrap: arm64 $SUITE minbase + ${BOARD_PKGS[*]} (dpkg under emulation: 5-15 min)"
+  # In its own mount namespace: whatever mmdebstrap mounts in the target cannot outlive it.
+  # eatmydata: dpkg without fsync. Docs, man pages and locales are not needed on the board.
   unshare --mount --propagation private -- \
     mmdebstrap --mode=root --arch=arm64 --variant=minbase --include="$(IFS=,; echo "${BOARD_PKGS[*]}")" \
-      --aptopt='Acquire::Retries "3"' --dpkgopt='path-exclude=/usr/share/doc/*' \
-      --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+      --hook-dir=/usr/share/mmdebstrap/hooks/eatmydata --aptopt='Acquire::Retries "3"' \
+      --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+      --dpkgopt='path-exclude=/usr/share/locale/*' \
       "$SUITE" "$new" \
       "deb $MIRROR $SUITE main" "deb $MIRROR $SUITE-updates main" "deb $SECURITY $SUITE-security main" \
-      2>&1 | prefix mmdebstrap
+      2>&1 | sed -u -e '/^processing /d' -e '/^\.\//d' | prefix mmdebstrap
   [[ -x "$new/usr/bin/python3" ]] || die "mmdebstrap did not produce a rootfs with python3"
+}
 
-  # pip on the board must trust what the host trusts (a TLS-intercepting proxy's CA, say).
-  local crt n=0
-  for crt in /usr/local/share/ca-certificates/*.crt; do
-    [[ -f "$crt" ]] || continue
-    install -D -m 0644 "$crt" "$new/usr/local/share/ca-certificates/$(basename "$crt")"; n=$((n + 1))
-  done
-  if ((n)); then
-    say "adding $n local CA certificate(s) to the board"
-    in_root "$new" update-ca-certificates 2>&1 | prefix ca
+# The wheels the board's pip will want: the agent extra, binary only, for the board's Python
+# and manylinux aarch64 up to its glibc (most specific first, as a board's pip prefers them),
+# fetched natively: pip resolving and downloading ~180 MB through TLS under qemu takes minutes
+# longer. The board's own pip still resolves and installs from them.
+#   fetch_wheels ROOT DIR -> prints DIR, or nothing when there is no usable pip here.
+fetch_wheels() {
+  local root="$1" wh="$2" pip=() v plats=() py glibc
+  if [[ -x "$SRC_ROOT/.venv/bin/python" ]] && "$SRC_ROOT/.venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    pip=("$SRC_ROOT/.venv/bin/python" -m pip)
+  elif python3 -m pip --version >/dev/null 2>&1; then
+    pip=(python3 -m pip)
+  else
+    return 0
   fi
-  [[ -e "$new/etc/resolv.conf" ]] || : > "$new/etc/resolv.conf"
+  py="$(readlink "$root/usr/bin/python3")"; py="${py#python}"                              # 3.11
+  glibc="$(dpkg-query --admindir="$root/var/lib/dpkg" -W -f='${Version}' libc6 | cut -d- -f1)"  # 2.36
+  [[ "$py" =~ ^3\.[0-9]+$ && "$glibc" =~ ^2\.[0-9]+$ ]] || return 0
+  for v in $(seq "${glibc#2.}" -1 17); do plats+=(--platform "manylinux_2_${v}_aarch64"); done
+  mkdir -p "$wh"
+  if "${pip[@]}" download -q --disable-pip-version-check --only-binary=:all: "${plats[@]}" \
+       --platform manylinux2014_aarch64 --python-version "$py" --implementation cp -d "$wh" \
+       "$SRC_ROOT[agent]" "setuptools>=77" wheel 2>&1 | sed -u '/is ignored: it is neither/d' | prefix wheels; then
+    echo "$wh"
+  fi
+}
 
+build_board() {
+  local new="$1" crt n=0 wh env=()
+  # pip on the board must trust what the host trusts (a TLS-intercepting proxy's CA, say). This
+  # is what update-ca-certificates does with them, done natively (a minute under qemu).
+  while read -r crt; do
+    [[ -n "$crt" ]] || continue
+    install -D -m 0644 "$crt" "$new/usr/local/share/ca-certificates/$(basename "$crt")"
+    cat "$crt" >> "$new/etc/ssl/certs/ca-certificates.crt"
+    n=$((n + 1))
+  done < <(host_cas)
+  ((n == 0)) || say "the board trusts the host's $n local CA certificate(s) too"
+  [[ -e "$new/etc/resolv.conf" ]] || : > "$new/etc/resolv.conf"
   copy_src "$new"
-  say "creating $VENV_IN_BOARD and pip-installing the agent extra from $SRC_IN_BOARD (about 1-2 min)"
-  in_root "$new" /bin/sh -eu -c '
-    python3 -m venv "$0"
-    # Debian'"'"'s pyarmnn, and only it: all of dist-packages would shadow numpy 2 with 1.24.
-    mkdir -p "$0/pyarmnn-only"
-    ln -sfn /usr/lib/python3/dist-packages/pyarmnn "$0/pyarmnn-only/pyarmnn"
-    site=$("$0/bin/python" -c "import sysconfig; print(sysconfig.get_paths()[\"purelib\"])")
-    echo "$0/pyarmnn-only" > "$site/tandoor-pyarmnn.pth"
-    # setuptools/wheel in the venv let later source refreshes install without network.
-    "$0/bin/pip" install --disable-pip-version-check --no-cache-dir --progress-bar off \
-      --only-binary=:all: "$1[agent]" "setuptools>=77" wheel
-  ' "$VENV_IN_BOARD" "$SRC_IN_BOARD" 2>&1 | grep -v -E '^ +(Downloading|Using cached) ' | prefix pip
-  install_unit "$new"
+  say "downloading the board's wheels natively (the agent extra for cp311 manylinux aarch64)"
+  rm -rf --one-file-system "$CACHE/wheels"
+  wh="$(fetch_wheels "$new" "$CACHE/wheels")"
+  if [[ -n "$wh" ]]; then
+    say "$(find "$wh" -name '*.whl' | wc -l) wheels, $(du -sh "$wh" | cut -f1); the board's pip installs from them"
+    env=(TANDOOR_WHEELHOUSE=/work)
+  else
+    say "could not download the wheels here; the board's pip downloads them itself (slower)"
+  fi
+  say "installing the agent on the board: $SRC_IN_BOARD/scripts/board/install-on-board.sh" \
+      "(pip install of the agent extra under emulation, a few minutes)"
+  in_root_shared "$new" "${wh:-}" "${env[@]}" -- "$SRC_IN_BOARD/scripts/board/install-on-board.sh" 2>&1 |
+    sed -u -E '/^ +(Downloading|Using cached) /d' | prefix install
+  rm -rf --one-file-system "$CACHE/wheels"
   rm -rf --one-file-system "$new/var/cache/apt/archives/"*.deb "$new/var/lib/apt/lists/"* "$new/root/.cache"
 }
 
-smoke_test() {
+smoke_test() {  # smoke_test ROOT [quick]: every agent module imports (packaging), Arm NN has CpuAcc
   local root="$1" out
-  say "checking the board: arch, Arm NN backends, agent"
+  say "checking the board: arch, agent modules, Arm NN backends${2:+ (quick)}"
   out="$(in_root "$root" python -c '
-import platform, sys
+import importlib, pathlib, platform, sys
+# every module of the checkout'"'"'s agent/ must import from the installed package
+src = pathlib.Path("'"$SRC_IN_BOARD"'/agent")
+mods = sorted(".".join(("tandoor_agent",) + p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+              for p in src.rglob("*.py"))
+bad = []
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        bad.append(f"{m}: {type(e).__name__}: {e}")
+if bad:
+    sys.exit("agent modules that do not import from the installed package (a subpackage missing "
+             "from pyproject.toml [tool.setuptools] packages?):\n  " + "\n  ".join(bad))
 from tandoor_agent.executors import armnn
-import onnxruntime, numpy
 ok, why = armnn.available()
-print(platform.machine(), "|", why, "| onnxruntime", onnxruntime.__version__, "| numpy", numpy.__version__)
-sys.exit(0 if ok and "CpuAcc" in armnn.backends() else 1)' 2>&1)" || die "board smoke test failed:
+line = [platform.machine(), f"{len(mods)} agent modules", why]
+if sys.argv[1] != "quick":
+    import numpy, onnxruntime, tvm
+    line += [f"onnxruntime {onnxruntime.__version__}", f"tvm {tvm.__version__}", f"numpy {numpy.__version__}"]
+print(" | ".join(line))
+sys.exit(0 if ok and "CpuAcc" in armnn.backends() else 1)' "${2:-full}" 2>&1)" || die "board smoke test failed:
 $out"
   say "board: $out"
 }
@@ -177,53 +243,60 @@ if ! flock -x -n 9; then
   flock -x 9
 fi
 
-key="$(base_key)"
-tarball="$CACHE/board-$key.tar.zst"
+rm -f "$CACHE"/*.tar.zst.tmp  # from an interrupted run
+dkey="$(debian_key)"
+bkey="$(board_key "$dkey")"
+debian_tar="$CACHE/debian-$dkey.tar.zst"
+board_tar="$CACHE/board-$bkey.tar.zst"
 have="$(cat "$ROOTFS/.tandoor-board" 2>/dev/null || true)"
-changed=0
 if ((rebuild)); then
-  rm -f "$tarball"; have=""
+  rm -f "$debian_tar" "$board_tar"; have=""
 fi
-if [[ "$have" == "$key" ]]; then
-  say "reusing $ROOTFS (base $key)"
+new="$CACHE/rootfs.new"
+trap 'safe_rm_rootfs "$new" 2>/dev/null || true' EXIT
+if [[ "$have" == "$bkey" ]]; then
+  say "reusing $ROOTFS (board $bkey)"
 else
-  new="$CACHE/rootfs.new"
-  trap 'safe_rm_rootfs "$new" 2>/dev/null || true' EXIT
-  if [[ -f "$tarball" ]]; then
-    say "unpacking the cached board $(basename "$tarball") ($(du -h "$tarball" | cut -f1))"
-    safe_rm_rootfs "$new"
-    mkdir -p "$new"
-    tar -C "$new" --numeric-owner -I zstd -xpf "$tarball"
+  safe_rm_rootfs "$new"
+  if [[ -f "$board_tar" ]]; then
+    say "unpacking the cached board $(basename "$board_tar") ($(du -h "$board_tar" | cut -f1))"
+    unpack "$board_tar" "$new"
   else
-    [[ -n "$have" ]] && say "the board at $ROOTFS is stale (base $have, want $key): rebuilding"
-    [[ -z "$have" ]] && say "no cached board for base $key: building it (about 5 min, once)"
-    build_base "$new"
-    echo "$key" > "$new/.tandoor-board"
-    hash_files $(src_items) > "$new/.tandoor-src"
+    if [[ -n "$have" ]]; then say "the board at $ROOTFS is stale (board $have, want $bkey): rebuilding"
+    else say "no cached board $bkey: building it (once; minutes)"; fi
+    if [[ -f "$debian_tar" ]]; then
+      say "unpacking the cached Debian layer $(basename "$debian_tar")"
+      unpack "$debian_tar" "$new"
+    else
+      build_debian "$new"
+      say "caching the Debian layer as $(basename "$debian_tar")"
+      pack "$new" "$debian_tar"
+      drop_other debian "$debian_tar"
+    fi
+    build_board "$new"
+    echo "$bkey" > "$new/.tandoor-board"
+    hash_src > "$new/.tandoor-src"
     smoke_test "$new"
-    say "caching the board as $(basename "$tarball")"
-    tar -C "$new" --numeric-owner -I 'zstd -T0 -3' -cpf "$tarball.tmp" .
-    mv -f "$tarball.tmp" "$tarball"
-    for old in "$CACHE"/board-*.tar.zst; do
-      [[ "$old" == "$tarball" ]] || { say "removing the stale cache $(basename "$old")"; rm -f "$old"; }
-    done
-    say "cached ($(du -h "$tarball" | cut -f1))"
+    say "caching the board as $(basename "$board_tar")"
+    pack "$new" "$board_tar"
+    drop_other board "$board_tar"
+    say "cached ($(du -h "$board_tar" | cut -f1))"
   fi
   safe_rm_rootfs "$ROOTFS"
   mv "$new" "$ROOTFS"
-  trap - EXIT
 fi
+trap - EXIT
 
-want_src="$(hash_files $(src_items))"
+want_src="$(hash_src)"
 if [[ "$(cat "$ROOTFS/.tandoor-src" 2>/dev/null || true)" != "$want_src" ]]; then
-  say "the checkout changed since the board was built: reinstalling the agent from it (no deps)"
+  say "the checkout changed since the board was built: reinstalling the agent from it (--no-deps)"
+  rm -f "$ROOTFS/.tandoor-src"
   copy_src "$ROOTFS"
   in_root "$ROOTFS" "$VENV_IN_BOARD/bin/pip" install --disable-pip-version-check --no-cache-dir \
     --progress-bar off --no-deps --no-build-isolation --no-index -q "$SRC_IN_BOARD" 2>&1 | prefix pip
-  install_unit "$ROOTFS"
+  in_root "$ROOTFS" "$SRC_IN_BOARD/scripts/board/install-on-board.sh" --service-only 2>&1 | prefix install
+  smoke_test "$ROOTFS" quick
   echo "$want_src" > "$ROOTFS/.tandoor-src"
-  changed=1
 fi
-((changed)) && smoke_test "$ROOTFS"
-say "board ready: $ROOTFS (run commands with scripts/board/run.sh)"
+say "board ready: $ROOTFS (run commands on it with scripts/board/run.sh)"
 echo "$ROOTFS"

@@ -13,6 +13,8 @@ CPUINFO="${TANDOOR_BOARD_CPUINFO:-$BOARD_DIR/cpuinfo-cortex-a76}"
 LOCK="$CACHE/lock"
 VENV_IN_BOARD=/opt/tandoor/venv
 SRC_IN_BOARD=/opt/tandoor/src
+# What goes from the checkout onto a board: the package, its unit file, the installer.
+SRC_ITEMS=(pyproject.toml README.md agent compiler systemd scripts/board/install-on-board.sh)
 # exit status meaning "this machine cannot run the arm64 board" (tests skip on it)
 EXIT_CANNOT=77
 
@@ -37,7 +39,7 @@ safe_rm_rootfs() {
   [[ "$(realpath -m "$dir")" != / ]] || die "refusing to remove /"
   live="$(mounts_under "$dir")"
   if [[ -n "$live" ]]; then
-    die "$dir has live mounts; not removing it. Unmount them first (umount -R --lazy needs care with /dev):
+    die "$dir has live mounts; not removing it. Unmount them once nothing uses them, then run again:
 $live"
   fi
   rm -rf --one-file-system -- "$dir"

@@ -18,7 +18,10 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-usage() { sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; exit "${1:-2}"; }
+usage() {  # usage [STATUS]: the header above; on stdout for --help, stderr otherwise
+  sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&"$([[ "${1:-2}" == 0 ]] && echo 1 || echo 2)"
+  exit "${1:-2}"
+}
 share="" envs=()
 while (($#)); do
   case "$1" in
