@@ -158,6 +158,58 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
     return result
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the profile here; on the host, `tandoor compile --profile FILE` uses it.")
+@click.option("--runs", default=20, show_default=True, type=click.IntRange(1),
+              help="Timed runs per measurement (fewer for calls > 0.25 s).")
+@click.option("--warmup", default=5, show_default=True, type=click.IntRange(0), help="Warm-up runs, not timed.")
+@click.option("--executor", "executors", multiple=True, type=click.Choice(["armnn", "onnxruntime", "tvm"]),
+              help="Executors to measure (repeatable). Default: all; the unavailable ones are reported.")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+def profile(bundle, out, runs, warmup, executors, as_json):
+    """Measure every subgraph of BUNDLE on every executor here, on the board, for the compiler's
+    cost model (the same measurement as the host's `tandoor profile`, without the compiler)."""
+    from . import profile as prof
+
+    if out is not None and out.is_dir():
+        _fail(UsageError_(f"-o {out} is a directory; give a file name"))
+
+    def progress(msg: str) -> None:
+        if not as_json:
+            click.echo(f"  {msg}", err=True)
+
+    try:
+        res = prof.measure(bundle, runs=runs, warmup=warmup, executors=tuple(executors) or prof.EXECUTORS,
+                           progress=progress)
+        if out is not None:
+            prof.write(res, out)
+    except OSError as err:
+        _fail(UsageError_(f"cannot write {out}: {err.strerror}"))
+    except Exception as err:
+        _fail(err)
+    if as_json:
+        click.echo(json.dumps(res, indent=2, sort_keys=True))
+        return
+    k = res["key"]
+    click.echo(f"{k['model']} on {k['board']} (bundle sha256 {k['bundle_sha256'][:12]})")
+    click.echo(f"{'subgraph':<28} {'ops':>4} {'TVM us':>10} {'onnxruntime us':>15} {'armnn us':>10}  backend")
+    for sym, s in res["subgraphs"].items():
+        ex = s["exec_us"]
+        cell = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+        click.echo(f"{sym:<28} {len(s['ops']):>4} {cell(s.get('tvm_us')):>10} {cell(ex.get('onnxruntime')):>15} "
+                   f"{cell(ex.get('armnn')):>10}  {s['backend'].get('armnn', '-')}")
+        for e, why in s["unavailable"].items():
+            click.echo(f"  {e} unavailable: {why}")
+    for e, v in res["model"].items():
+        if isinstance(v, dict) and "total_us" in v:
+            click.echo(f"whole model with {e}: {v['total_us'] / 1e3:.2f} ms (delegated {v['delegated_us'] / 1e3:.2f} ms, "
+                       f"TVM side {v['tvm_side_us'] / 1e3:.2f} ms)")
+    if out is not None:
+        click.echo(f"profile written to {out}; on the host: tandoor compile MODEL.onnx --profile {out.name} ...")
+
+
 main.add_command(service.serve)  # tandoor-agent serve --config FILE (the loop: agent/service.py)
 
 if __name__ == "__main__":

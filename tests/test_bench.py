@@ -131,6 +131,27 @@ def test_profile_is_keyed_and_measures_every_subgraph(profiled):
     assert p["model"]["onnxruntime"]["total_us"] > 0 and p["model"]["tvm_side_us"] >= 0
 
 
+def test_agent_profile_on_a_board_without_the_compiler_feeds_compile(profiled, small_model, tmp_path):
+    """`tandoor-agent profile` (what a board has) measures the same thing, keyed the same, and
+    compile takes its file."""
+    bundle, _, host = profiled
+    prof = tmp_path / "board.json"
+    res = run_cli("tandoor-agent", "profile", str(bundle), "-o", str(prof), "--runs", "3", "--warmup", "1",
+                  "--executor", "onnxruntime", "--executor", "tvm", check=True)
+    p = json.loads(prof.read_text())
+    assert p["key"] == host["key"]
+    assert sorted(p["subgraphs"]) == sorted(host["subgraphs"])
+    for sym, s in p["subgraphs"].items():
+        assert s["tvm_us"] > 0 and s["exec_us"]["onnxruntime"] > 0
+        assert sym in res.stdout  # one table row per subgraph
+    assert f"profile written to {prof}" in res.stdout
+    out = tmp_path / "from-board.hmod"
+    run_cli("tandoor", "compile", str(small_model), "-o", str(out), "--profile", str(prof), "-q", check=True)
+    assert manifest_of(out)["profile"]["sha256"] == hashlib.sha256(prof.read_bytes()).hexdigest()
+    bad = run_cli("tandoor-agent", "profile", str(bundle), "-o", str(tmp_path))
+    assert bad.returncode == 2 and "is a directory" in bad.stderr and not list(tmp_path.glob("*.tmp"))
+
+
 def test_compile_with_profile_uses_measured_numbers_and_records_executors(profiled, small_model, tmp_path):
     _, prof, p = profiled
     out = tmp_path / "prof.hmod"

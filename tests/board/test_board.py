@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, compiled, run_cli
+from conftest import ROOT, compiled, manifest_of, run_cli
 from tandoor_agent import hmod
 from tandoor_compiler import zoo
 
@@ -266,3 +266,34 @@ def test_host_only_bundle_is_refused_with_its_reason(board, tmp_path):
     assert err.startswith("tandoor-agent: error:"), err
     assert "has no lib for aarch64" in err and "x86_64" in err, err
     assert "recompile the model with a target for aarch64" in err, err
+
+
+def test_profile_measured_on_the_board_drives_compile(board, tmp_path):
+    """The board measures a bundle with `tandoor-agent profile` (no compiler there); the host
+    compiles with that profile: Arm NN measured on CpuAcc, the cost policy citing the profile."""
+    model = zoo.with_unsupported_middle()
+    bundle = tmp_path / "all.hmod"
+    run_cli("tandoor", "compile", str(model), "-o", str(bundle), "--target", "aarch64", "--policy", "all",
+            "-q", check=True)
+    remote = board.put(bundle)
+    res = board.run([f"{board.venv}/bin/tandoor-agent", "profile", remote, "--runs", "3", "--warmup", "1",
+                     "--json"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    prof = json.loads(res.stdout)
+    assert prof["key"]["arch"] == "aarch64" and prof["target"] == "aarch64"
+    symbols = [p["symbol"] for p in manifest_of(bundle)["partitions"] if p["delegate"]]
+    assert sorted(prof["subgraphs"]) == sorted(symbols)
+    for sym, s in prof["subgraphs"].items():
+        assert s["backend"]["armnn"] == "CpuAcc", (sym, s)
+        assert s["exec_us"]["armnn"] > 0 and s["exec_us"]["onnxruntime"] > 0 and s["tvm_us"] > 0, (sym, s)
+    path = tmp_path / "board-profile.json"
+    path.write_text(json.dumps(prof))
+    out = tmp_path / "profiled.hmod"
+    run_cli("tandoor", "compile", str(model), "-o", str(out), "--target", "aarch64", "--profile", str(path),
+            "-q", check=True)
+    man = manifest_of(out)
+    assert man["profile"]["board"] == prof["key"]["board"] and man["profile"]["arch"] == "aarch64"
+    for part in man["partitions"]:
+        if part["symbol"] in prof["subgraphs"]:
+            assert part["est"]["source"] == "profile"
+            assert part["reason"].startswith(("cost (profile):", "policy")), part["reason"]
