@@ -44,6 +44,12 @@ DEFAULT_FRAMES = 20
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}
 EXIT_UNHEALTHY = 4
+_RUNNING: set[subprocess.Popen] = set()  # isolated checks in progress (stop_running ends them)
+_ENDED: set[int] = set()                 # pids stop_running killed
+
+
+class CheckStopped(Exception):
+    """The check was ended because the agent is stopping: no verdict on the model."""
 
 
 @dataclass
@@ -251,6 +257,23 @@ def _key_paths(keys: Iterable[hmod.KeySource], tmpdir: Path) -> list[str]:
     return out
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and anything it started
+    except ProcessLookupError:
+        pass
+
+
+def stop_running() -> int:
+    """Kill the isolated checks in progress (the agent is stopping: its own session keeps a child
+    alive past the agent otherwise). Returns how many."""
+    procs = list(_RUNNING)
+    for p in procs:
+        _ENDED.add(p.pid)
+        _kill(p)
+    return len(procs)
+
+
 def health_check_isolated(bundle_path: str | os.PathLike, trusted_keys: Iterable[hmod.KeySource] = (),
                           delegate: str = "auto", latency_budget_ms: float | None = None,
                           frames: int = DEFAULT_FRAMES, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -267,17 +290,19 @@ def health_check_isolated(bundle_path: str | os.PathLike, trusted_keys: Iterable
             cmd += ["--latency-budget-ms", repr(float(latency_budget_ms))]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True, env=env)
+        _RUNNING.add(proc)
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and anything it started
-            except ProcessLookupError:
-                pass
+            _kill(proc)
             proc.communicate()
             return HealthReport(ok=False, reason=f"health check timed out after {timeout_s:g} s",
                                 latency_budget_ms=latency_budget_ms,
                                 seconds=round(time.perf_counter() - t0, 3))
+        finally:
+            _RUNNING.discard(proc)
+    if proc.pid in _ENDED:
+        raise CheckStopped("the health check was ended: the agent is stopping")
     rc = proc.returncode
     report = None
     for line in reversed(out.strip().splitlines()):
@@ -306,7 +331,8 @@ def gate(store, trusted_keys: Iterable[hmod.KeySource] = (), latency_budget_ms: 
          timeout_s: float = DEFAULT_TIMEOUT_S, check: Callable[..., HealthReport] | None = None
          ) -> HealthReport:
     """The health gate on a SlotStore's trial: healthy -> commit, else rollback with the reason.
-    Returns the report (the update job acks committed or rolled_back with ``report.reason``)."""
+    Returns the report (the update job acks committed or rolled_back with ``report.reason``).
+    Raises CheckStopped, changing nothing, when :func:`stop_running` ended the check."""
     from .slots import TransitionError
 
     trial = store.trial()
@@ -320,6 +346,8 @@ def gate(store, trusted_keys: Iterable[hmod.KeySource] = (), latency_budget_ms: 
         kw["timeout_s"] = timeout_s
     try:
         report = check(path, list(trusted_keys), **kw)
+    except CheckStopped:
+        raise  # the trial stays as it is: recover_on_start rolls it back at the next start
     except Exception as e:  # the checker itself broke: that is not a healthy model either
         report = HealthReport(ok=False, reason=f"health check error: {_one_line(e)}",
                               latency_budget_ms=latency_budget_ms)

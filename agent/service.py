@@ -271,6 +271,11 @@ class Service:
         """Called off the loop (updater thread): build the newly committed slot's model here, then
         let the loop swap the reference between two frames; returns once it serves."""
         new = Model(self.cfg).build(self.cfg)  # closes itself when it fails
+        try:
+            new.pipeline.warmup(2)  # first runs allocate and bind: here, not on the first served frame
+        except BaseException:
+            new.close()
+            raise
         done = threading.Event()
         self._pending_swap = (new, done)
         if not done.wait(timeout):

@@ -262,8 +262,14 @@ class Updater:
             self._q.put(("complete", self._active.id))
 
     def stop(self) -> None:
+        """The agent is stopping: a health check in progress is killed and its outcome not
+        recorded; the trial stays for recover_on_start (rolled back and reported at the next start,
+        as after a crash)."""
         self._stop = True
         self._q.put(("stop",))
+        from . import health
+
+        health.stop_running()
 
     @property
     def busy(self) -> str | None:
@@ -640,7 +646,14 @@ class Updater:
                   delegate=self.delegate)
         if gate is health.gate:
             kw["timeout_s"] = self.health_timeout_s
-        report = gate(self.store, self.trusted_keys, **kw)
+        try:
+            if self._stop:
+                raise health.CheckStopped("the agent is stopping")
+            report = gate(self.store, self.trusted_keys, **kw)
+        except health.CheckStopped:  # the agent is stopping: no verdict, the trial waits for the next start
+            log.warning("job %s: the health check was ended by the stop; the trial is rolled back at the next start",
+                        job.id)
+            return
         hrep = {k: getattr(report, k, None) for k in ("p95_ms", "median_ms", "golden_max_abs_err", "frames",
                                                           "errors", "seconds")}
         if not report.ok:

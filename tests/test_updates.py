@@ -13,6 +13,8 @@ directories, the host side (compiler/fleet.py and `tandoor fleet`) sending real 
 - the agent SIGKILLed right after acking received / staged / trial: a restart ends in a
   consistent committed slot serving frames (received -> the job completes; staged/trial -> rolled
   back and reported)
+- the agent stopped (SIGTERM) during the health check: the check's process ends with it, no
+  verdict; the next start rolls the trial back and reports it
 - a full disk while staging (slot_dir on a small tmpfs): refused, the old model keeps serving
 """
 
@@ -404,6 +406,49 @@ def test_sigkill_at_each_state_ends_consistent_and_serving(wd, broker, B, state)
             running_sha(rec, dev, sha(B[want]), START_TIMEOUT)
             serving_frames(rec, dev)
             assert_committed_state(sd, sha(B[want]))
+        finally:
+            b.stop()
+
+
+def test_sigterm_during_the_health_check_stops_it_and_the_next_start_rolls_back(wd, broker, B):
+    """A clean stop (SIGTERM) while the gate's child process runs: the agent ends that child too
+    (it has its own session, so nothing else would), exits 0 without a verdict on the model, and
+    the next start rolls the trial back and reports it, like after a crash."""
+    dev = "term-trial"
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec)
+        box = {}
+        job = "job-term-trial"
+        th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["v2"], [dev], job_id=job,
+                                                               health_frames=100_000)))  # a check that outlasts the test
+        th.start()
+        rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json()["state"] == "trial", 120, "trial")
+        checks = []
+        deadline = time.monotonic() + 60
+        while not checks and time.monotonic() < deadline:  # the gate's child: python -m tandoor_agent.health
+            kids = subprocess.run(["pgrep", "-P", str(a.proc.pid), "-f", "tandoor_agent.health"],
+                                  capture_output=True, text=True).stdout.split()
+            checks = [int(k) for k in kids]
+            time.sleep(0.1)
+        assert checks, "no health check child seen"
+        assert a.stop() == 0, a.output()[-2000:]
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{checks[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{checks[0]}").exists(), "the health check outlived the agent"
+        assert "rolled_back" not in [x["state"] for x in acks(rec, dev, job)]  # no verdict while stopping
+        assert json.loads((sd / "state.json").read_text())["trial"] is not None
+        b = AgentProcess(["--config", str(cfg)], wd / f"{dev}-2.log")
+        try:
+            th.join(280)
+            r = box["devices"][dev]
+            assert r["state"] == "rolled_back" and r["kind"] == "restarted", r
+            assert "restarted before the trial was committed" in r["reason"], r
+            running_sha(rec, dev, sha(B["v1"]), START_TIMEOUT)
+            serving_frames(rec, dev)
+            assert_committed_state(sd, sha(B["v1"]))
         finally:
             b.stop()
 
