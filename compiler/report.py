@@ -43,16 +43,25 @@ def print_summary(info: dict) -> None:
             f"(ratio {info['delegation_ratio']:.2f}), predicted speedup {info['predicted_speedup']:.2f}x, "
             f"policy {info['policy']}, layout transposes added: {info['layout_transposes']}")
     t = Table(title="subgraphs")
+    # the reasons are long sentences: beside the table only on a wide console, else listed below it
+    wide = c.width >= 140
     width = max((len(p["symbol"]) for p in info["partitions"]), default=6)
     t.add_column("symbol", no_wrap=True, min_width=width)   # symbols are what logs and profiles name
-    for col in ("runs on", "ops", "share of work", "why"):
-        t.add_column(col)
+    t.add_column("runs on")
+    t.add_column("ops")
+    t.add_column("share", no_wrap=True, justify="right")   # of the model's TVM time (cost.py's p)
+    if wide:
+        t.add_column("why")
     for p in info["partitions"]:
         ops = Counter(p["ops"])
+        share = f"{p['est']['p']:.1%}" if (p.get("est") or {}).get("p") is not None else "-"
         t.add_row(p["symbol"], "ACL" if p["delegate"] else "TVM",
-                  f"{len(p['ops'])}: " + ", ".join(f"{k} x{v}" for k, v in ops.most_common(6)),
-                  f"{p['est'].get('share', 0):.1%}" if p.get("est") else "-", p["reason"])
+                  f"{len(p['ops'])}: " + ", ".join(f"{k} x{v}" for k, v in ops.most_common(6)), share,
+                  *([p["reason"]] if wide else []))
     c.print(t)
+    if not wide:
+        for p in info["partitions"]:
+            c.print(f"[bold]{p['symbol']}[/]: {p['reason']}")
     if info["tvm_ops"]:
         t = Table(title="ops left to TVM")
         t.add_column("op")

@@ -124,6 +124,9 @@ def test_inspect_json_keys_and_graph(bundles_dir, tmp_path):
     assert len(graph["nodes"]) >= 12 and "erf" in text
     human = run_cli("tandoor", "inspect", str(out), check=True).stdout
     assert "no ACL kernel for erf" in human and "_acl_1" in human
+    for p in info["partitions"]:  # the cost model's numbers per subgraph, as the manifest has them
+        est = p["est"]
+        assert 0 < est["p"] < 1 and f"{est['p']:.1%}" in human and f"{est['tvm_us']:.1f}" in human
 
 
 # --- bad input: one line naming the problem and the fix, exit 2, nothing at the output path ----
