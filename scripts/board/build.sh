@@ -27,9 +27,12 @@ set -euo pipefail
 SUITE=bookworm
 MIRROR="${TANDOOR_BOARD_MIRROR:-http://deb.debian.org/debian}"
 SECURITY="${TANDOOR_BOARD_SECURITY_MIRROR:-http://deb.debian.org/debian-security}"
-HOST_PKGS=(qemu-user-static binfmt-support mmdebstrap arch-test zstd dpkg-dev)
+HOST_PKGS=(qemu-user-static binfmt-support mmdebstrap arch-test zstd dpkg-dev openssh-client)
 INSTALLER="$BOARD_DIR/install-on-board.sh"
 read -r -a BOARD_PKGS <<< "$(bash "$INSTALLER" --print-packages)"
+# not what a board needs from us (a real one has its own sshd): tests/board runs
+# scripts/board/run-remote.sh against an sshd on the emulated board, over real ssh
+BOARD_PKGS+=(openssh-server)
 
 rebuild=0
 case "${1:-}" in

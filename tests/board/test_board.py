@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -42,6 +43,12 @@ ATOL = RTOL = 1e-3
 MODELS = sorted(zoo.ALL_CNNS) + ["with_unsupported_middle"]
 BLOCKED = ("pyarmnn", "onnxruntime")
 TIMEOUT = 1200
+
+
+def board_root() -> str:
+    """The emulated board's rootfs (scripts/board/common.sh's default)."""
+    cache = os.environ.get("TANDOOR_CACHE") or os.path.expanduser("~/.cache/tandoor")
+    return os.environ.get("TANDOOR_BOARD_ROOT") or os.path.join(cache, "board", "rootfs")
 
 
 def _model(name: str) -> Path:
@@ -297,3 +304,56 @@ def test_profile_measured_on_the_board_drives_compile(board, tmp_path):
         if part["symbol"] in prof["subgraphs"]:
             assert part["est"]["source"] == "profile"
             assert part["reason"].startswith(("cost (profile):", "policy")), part["reason"]
+
+
+def test_run_remote_drives_the_board_tests_over_ssh(board, tmp_path):
+    """scripts/board/run-remote.sh, as a user with a real board runs it, against an sshd running
+    on the emulated board: bundles compiled here, copied over scp, run there over ssh."""
+    if not isinstance(board, EmulatedBoard):
+        pytest.skip("already running against a board over ssh")
+    if not shutil.which("ssh") or not (Path(board_root()) / "usr/sbin/sshd").exists():
+        pytest.skip("no ssh client here or no sshd on the board (rebuild it: scripts/board/build.sh)")
+    share = tmp_path / "sshd"
+    share.mkdir(mode=0o700)
+    key = tmp_path / "id"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(share / "host_key")], check=True)
+    (share / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+    (share / "authorized_keys").chmod(0o600)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sshd = subprocess.Popen(
+        [str(RUN_SH), "--share", str(share), "--", "sh", "-c",
+         f"mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e -p {port} -o ListenAddress=127.0.0.1 "
+         "-h /work/host_key -o AuthorizedKeysFile=/work/authorized_keys -o PermitRootLogin=prohibit-password"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                assert sshd.poll() is None, f"sshd on the board exited: {sshd.stderr.read()}"
+                assert time.monotonic() < deadline, "sshd on the board did not listen within 120 s"
+                time.sleep(0.5)
+        env = {**os.environ, "TANDOOR_BOARD_SSH_OPTS":
+               f"-o Port={port} -i {key} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"}
+        res = subprocess.run([str(ROOT / "scripts/board/run-remote.sh"), "root@127.0.0.1", "-q", "-p", "no:cacheprovider",
+                              "-k", "host_only_bundle_is_refused"], capture_output=True, text=True, env=env,
+                             timeout=TIMEOUT)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert "running tests/board against root@127.0.0.1" in res.stderr
+        assert "1 passed" in res.stdout, res.stdout[-3000:]
+        # and it says what to do when the board has no agent where it looks
+        env["TANDOOR_BOARD_VENV"] = "/opt/nowhere"
+        res = subprocess.run([str(ROOT / "scripts/board/run-remote.sh"), "root@127.0.0.1"], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert res.returncode == 1 and "no agent at root@127.0.0.1:/opt/nowhere" in res.stderr, res.stderr
+        assert "--install root@127.0.0.1" in res.stderr
+    finally:
+        os.killpg(sshd.pid, signal.SIGTERM)
+        sshd.wait(30)
