@@ -214,6 +214,9 @@ class SysWatch:
         from paho.mqtt.enums import CallbackAPIVersion
 
         self.vals: dict[str, float] = {}
+        self.cycles: list[float] = []  # when bytes/sent arrived: once per $SYS cycle (the $SYS
+                                       # messages to us change it, so it is always republished)
+        self._cv = threading.Condition()
         self.proc = psutil.Process(pid)
         self.cpu_samples: list[float] = []
         self._stop = threading.Event()
@@ -228,9 +231,14 @@ class SysWatch:
     def _msg(self, c, u, m) -> None:
         k = m.topic[len("$SYS/broker/"):]
         try:
-            self.vals[k] = float(m.payload.decode().split()[0])
+            v = float(m.payload.decode().split()[0])
         except (ValueError, IndexError):
-            pass
+            return
+        with self._cv:
+            self.vals[k] = v
+            if k == "bytes/sent":
+                self.cycles.append(time.monotonic())
+            self._cv.notify_all()
 
     def _sample(self) -> None:
         while not self._stop.wait(0.5):
@@ -239,9 +247,17 @@ class SysWatch:
             except Exception:
                 return
 
-    def snapshot(self) -> dict:
+    def snapshot(self, timeout: float = 10.0) -> dict:
+        """The counters as the broker computes them after now: waits until two $SYS cycles have
+        arrived after this call (mosquitto republishes only changed values, and on a busy machine a
+        cycle can arrive late; a stale value would leave the rollout's traffic out of the delta;
+        the second cycle is complete by the time it starts)."""
+        t0 = time.monotonic()
+        with self._cv:
+            self._cv.wait_for(lambda: sum(t > t0 for t in self.cycles) >= 2, timeout)
+            vals = {k: self.vals.get(k) for k in self.KEYS}
         t = self.proc.cpu_times()
-        return {"t": time.monotonic(), "cpu_s": t.user + t.system, **{k: self.vals.get(k) for k in self.KEYS}}
+        return {"t": time.monotonic(), "cpu_s": t.user + t.system, **vals}
 
     def close(self) -> None:
         self._stop.set()
@@ -275,7 +291,6 @@ def run_sim(args) -> dict:
                     online = {d for d, s in f.devices(wait=1.5).items() if s.get("online")}
                     if len(online) < args.agents:
                         raise RuntimeError(f"only {len(online)} of {args.agents} simulated agents are online")
-                    time.sleep(1.2)
                     before = watch.snapshot()
                     lines = []
                     t0 = time.monotonic()
@@ -289,7 +304,6 @@ def run_sim(args) -> dict:
                     res = f.deploy(B["v2"], sim.ids, canary_pct=args.canary, max_failures=args.max_failures,
                                    latency_budget_ms=args.latency_budget_ms, timeout=args.timeout,
                                    chunk_size=args.chunk_size, wave_size=args.wave_size, progress=progress)
-                    time.sleep(1.5)  # one more $SYS period
                     after = watch.snapshot()
                     per = {d: f.per_device.get(d, {}) for d in sim.ids}
                 finally:
