@@ -92,7 +92,9 @@ def _build_executor(kind: str, bundle: hmod.Bundle, symbol: str, order: dict, ta
         ok, why = ort.available()
         if not ok:
             raise RuntimeError_(why)
-        return ort.OrtExecutor(order, bundle.read(part.get("onnx") or f"orders/{symbol}.onnx"))
+        # external data of the ONNX rendering: file name it uses -> bundle member holding it
+        external = {name: bundle.read(member) for name, member in (part.get("onnx_external") or {}).items()}
+        return ort.OrtExecutor(order, bundle.read(part.get("onnx") or f"orders/{symbol}.onnx"), external=external)
     if kind == "tvm":
         from .executors.tvm_exec import TvmExecutor
 
@@ -101,8 +103,35 @@ def _build_executor(kind: str, bundle: hmod.Bundle, symbol: str, order: dict, ta
             raise RuntimeError_(f"the bundle has no TVM fallback for {symbol} on {target}")
         path = workdir / member.replace("/", "_")
         path.write_bytes(bundle.read(member))
-        return TvmExecutor(order, path)
+        return TvmExecutor(order, path, _fallback_params(bundle, part))
     raise RuntimeError_(f"unknown executor {kind!r}; choose from auto, {', '.join(EXECUTORS)}")
+
+
+def _fallback_params(bundle, part: dict) -> list[np.ndarray]:
+    """The TVM fallback's weights (compiled out of its lib): byte ranges of bundle members, each
+    transposed by ``perm`` when given."""
+    blobs: dict[str, bytes] = {}
+    out = []
+    for i, spec in enumerate(part.get("fallback_params") or ()):
+        member = spec["member"]
+        if member not in blobs:
+            blobs[member] = bundle.read(member)
+        dt = np.dtype(spec["dtype"]).newbyteorder("<")
+        shape = tuple(int(d) for d in spec["shape"])
+        off, n = int(spec["offset"]), int(spec["nbytes"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if n != count * dt.itemsize or off < 0 or off + n > len(blobs[member]):
+            raise RuntimeError_(f"fallback_params[{i}] of {part.get('symbol')}: {n} bytes at {off} of {member} "
+                                f"do not hold {list(shape)} {spec['dtype']}; recompile the model")
+        a = np.frombuffer(blobs[member], dt, count, off).reshape(shape)
+        perm = spec.get("perm")
+        if perm is not None:
+            if sorted(perm) != list(range(len(shape))):
+                raise RuntimeError_(f"fallback_params[{i}] of {part.get('symbol')}: perm {perm} does not fit "
+                                    f"{list(shape)}; recompile the model")
+            a = a.transpose(perm)
+        out.append(a)
+    return out
 
 
 def check_inputs(manifest: dict, inputs: list[np.ndarray]) -> None:

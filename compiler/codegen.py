@@ -260,15 +260,55 @@ def lower_regions(mod: tvm.IRModule) -> tvm.IRModule:
     return mod
 
 
-def region_as_module(func: relax.Function) -> tvm.IRModule:
-    """A region as a standalone TVM module (the `tvm` executor's fallback for its order)."""
+def region_as_module(func: relax.Function, lift_weights: bool = False):
+    """A region as a standalone TVM module (the `tvm` executor's fallback for its order).
+
+    With ``lift_weights`` its constants become trailing parameters of ``main`` and the function
+    returns (module, [their values]): the compiled fallback then holds no weights, and the bundle
+    stores them once (mostly as byte ranges of the order's own weights blob)."""
     from .partition import _plain
 
     main = _plain(func).with_attr("global_symbol", "main")
     mod = tvm.IRModule({"main": main})
     mod = relax.transform.LambdaLift()(mod)
     mod = relax.transform.InlinePrivateFunctions()(mod)
-    return relax.transform.DeadCodeElimination()(mod)
+    mod = relax.transform.DeadCodeElimination()(mod)
+    if not lift_weights:
+        return mod
+    return _lift_constants(mod)
+
+
+def _lift_constants(mod: tvm.IRModule):
+    """Every tensor constant of main -> a new trailing parameter (scalars stay: they are tiny and
+    some ops need them constant)."""
+    values: list[np.ndarray] = []
+    params: list[relax.Var] = []
+
+    @relax.expr_functor.mutator
+    class Lift(relax.PyExprMutator):
+        def visit_generic_const_(self, c):
+            if not hasattr(c.value, "numpy"):
+                return c
+            a = c.value.numpy()
+            if a.ndim == 0 or a.size < 16:
+                return c
+            v = relax.Var(f"w{len(params)}", relax.TensorType([int(d) for d in a.shape], str(a.dtype)))
+            params.append(v)
+            values.append(a)
+            return v
+
+    f = mod["main"]
+    n_inputs = len(f.params)
+    body = Lift().visit_expr(f.body)
+    mod["main"] = relax.Function(list(f.params) + params, body, None, f.is_pure, f.attrs).with_attr(
+        "num_input", n_inputs)
+    # What FoldConstant did to the weights at compile time (the TVM side's conv kernel layout)
+    # is split off into main_transform_params, which the executor runs once at load.
+    from .schedule import TVM_CONV_LAYOUT
+
+    mod = relax.transform.ConvertLayout({"relax.nn.conv2d": TVM_CONV_LAYOUT})(mod)
+    mod = relax.transform.LiftTransformParams()(mod)
+    return mod, values
 
 
 def build(mod: tvm.IRModule, target: dict, out_path, cross_cc: str | None) -> None:

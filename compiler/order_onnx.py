@@ -17,7 +17,9 @@ ONNX op differs (nearest resize with rounding "round"), the difference is handle
 
 from __future__ import annotations
 
+import tempfile
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -54,18 +56,24 @@ _NEAREST_MODE = {
 }
 
 
-def order_to_onnx(order: dict, weights: bytes) -> onnx.ModelProto:
+def order_to_onnx(order: dict, weights: bytes, external: str | None = None) -> onnx.ModelProto:
     """Render ``order`` with its weights blob as an opset-17 ONNX model.
 
     Graph inputs and outputs carry the order's names, shapes and dtypes in call order; the
-    weights an op uses become initializers. Raises ValueError for anything the format does not
-    define (unknown op type, activation, pool kind, resize mode, weights outside the blob ...).
+    weights an op uses become initializers. With ``external`` (a file name, e.g. "<symbol>.bin"),
+    the order's weights are not copied into the model: they are ONNX external data at their
+    offsets in that file, which is the weights blob itself, and a layout change (OHWI -> OIHW) is
+    a Transpose node onnxruntime folds when the session starts. The bundle then carries the
+    weights once instead of twice. Raises ValueError for anything the format does not define
+    (unknown op type, activation, pool kind, resize mode, weights outside the blob ...).
     The result has passed ``onnx.checker.check_model(full_check=True)``.
     """
     ver = order.get("order_version")
     if ver != hmod.ORDER_VERSION:
         raise ValueError(f"order_version {ver!r} is not supported (expected {hmod.ORDER_VERSION})")
-    r = _Renderer(order, bytes(weights))
+    if external is not None and (not external or "/" in external or "\\" in external or external.startswith(".")):
+        raise ValueError(f"external data file name {external!r} must be a plain file name")
+    r = _Renderer(order, bytes(weights), external)
     for i, op in enumerate(order["ops"]):
         kind = op.get("type")
         fn = getattr(r, f"_op_{kind}", None) if isinstance(kind, str) else None
@@ -86,7 +94,13 @@ def order_to_onnx(order: dict, weights: bytes) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                               ir_version=IR_VERSION, producer_name="tandoor",
                               doc_string=f"tandoor order {order.get('symbol')}")
-    onnx.checker.check_model(model, full_check=True)
+    if external is None:
+        onnx.checker.check_model(model, full_check=True)
+    else:  # the checker reads external data from files beside the model
+        with tempfile.TemporaryDirectory(prefix="tandoor-onnx-") as tmp:
+            (Path(tmp) / external).write_bytes(r.blob)
+            (Path(tmp) / "order.onnx").write_bytes(model.SerializeToString())
+            onnx.checker.check_model(str(Path(tmp) / "order.onnx"), full_check=True)
     return model
 
 
@@ -108,8 +122,8 @@ def _pads(p, what: str) -> list[int]:
 
 
 class _Renderer:
-    def __init__(self, order: dict, blob: bytes) -> None:
-        self.order, self.blob = order, blob
+    def __init__(self, order: dict, blob: bytes, external: str | None = None) -> None:
+        self.order, self.blob, self.external = order, blob, external
         self.tensors: dict[str, dict] = order["tensors"]
         self.wtable: dict[str, dict] = order.get("weights") or {}
         self.nodes: list[onnx.NodeProto] = []
@@ -119,6 +133,7 @@ class _Renderer:
         self.materialized = {t["name"] for t in order["inputs"]}  # NHWC value under its own name
         self.nchw: dict[str, str] = {}      # order tensor -> its NCHW copy
         self.cache: dict[tuple, str] = {}   # (weight, transform) -> initializer name
+        self.ext_done: set[str] = set()     # order weights already declared as external data
 
     # --- names, initializers, nodes ---------------------------------------------------------
 
@@ -134,23 +149,49 @@ class _Renderer:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
-    def weight(self, op: dict, role: str, transform=None, tag: str = "") -> str | None:
-        """Initializer name of the op's weight ``role`` (None if absent), optionally transformed."""
+    def weight(self, op: dict, role: str, transform=None, tag: str = "", perm: list[int] | None = None) -> str | None:
+        """Initializer name of the op's weight ``role`` (None if absent), optionally transformed.
+        ``perm``: the transform is that transpose (an in-graph Transpose over external data)."""
         name = (op.get("weights") or {}).get(role)
         if name is None:
             return None
         key = (name, tag)
         if key not in self.cache:
             a = self.array(name)
+            raw = a
             if transform is not None:
                 a = transform(a)
-            if tag:
+            if self.external and tag and perm is not None:
+                self.cache[key] = self.node("Transpose", [self.external_weight(name)], self.fresh(f"{name}__{tag}"),
+                                            perm=perm)
+            elif self.external and not tag and a.shape == raw.shape:
+                self.cache[key] = self.external_weight(name)
+            elif tag:
                 self.cache[key] = self.const(a, f"{name}__{tag}")
             else:
                 self.taken.add(name)
                 self.inits.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
                 self.cache[key] = name
         return self.cache[key]
+
+    def external_weight(self, name: str) -> str:
+        """The order weight ``name`` as an initializer whose bytes stay in the external file."""
+        if name not in self.ext_done:
+            self.array(name)  # checks that it lies inside the blob
+            w = self.wtable[name]
+            t = onnx.TensorProto()
+            t.name = name
+            t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(w["dtype"]))
+            t.dims.extend(int(d) for d in w["shape"])
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for k, v in (("location", self.external), ("offset", str(int(w["offset"]))),
+                         ("length", str(int(w["nbytes"])))):
+                e = t.external_data.add()
+                e.key, e.value = k, v
+            self.taken.add(name)
+            self.inits.append(t)
+            self.ext_done.add(name)
+        return name
 
     def array(self, name: str) -> np.ndarray:
         w = self.wtable.get(name)
@@ -244,7 +285,7 @@ class _Renderer:
                              f"does not fit {cin} input channels")
         if a.get("depthwise") and groups != cin:
             raise ValueError(f"conv2d -> {op['output']}: depthwise with groups={groups} != {cin} channels")
-        w = self.weight(op, "kernel", lambda k: k.transpose(0, 3, 1, 2), "oihw")
+        w = self.weight(op, "kernel", lambda k: k.transpose(0, 3, 1, 2), "oihw", perm=[0, 3, 1, 2])
         ins = [self.to_nchw(x), w]
         b = self.weight(op, "bias", lambda v: v.reshape(-1))
         if b is not None:
@@ -265,7 +306,7 @@ class _Renderer:
             w = self.weight(op, "kernel")
             y = self.node("Gemm", [self.nhwc(x), w] + ([b] if b else []), self.target(op, act, "gemm"), transB=1)
         else:
-            w = self.weight(op, "kernel", lambda k: k.T, "t")
+            w = self.weight(op, "kernel", lambda k: k.T, "t", perm=[1, 0])
             if b is None:
                 y = self.node("MatMul", [self.nhwc(x), w], self.target(op, act, "matmul"))
             else:

@@ -165,8 +165,11 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
             order, blob = codegen.region_to_order(p.func, p.symbol)
             members[f"orders/{p.symbol}.json"] = json.dumps(order, indent=1, sort_keys=True).encode()
             members[f"orders/{p.symbol}.bin"] = blob
-            members[f"orders/{p.symbol}.onnx"] = order_onnx.order_to_onnx(order, blob).SerializeToString()
-            entry.update(order=f"orders/{p.symbol}.json", weights=f"orders/{p.symbol}.bin", onnx=f"orders/{p.symbol}.onnx")
+            # the ONNX rendering refers to the weights blob (external data) instead of copying it
+            members[f"orders/{p.symbol}.onnx"] = order_onnx.order_to_onnx(
+                order, blob, external=f"{p.symbol}.bin").SerializeToString()
+            entry.update(order=f"orders/{p.symbol}.json", weights=f"orders/{p.symbol}.bin", onnx=f"orders/{p.symbol}.onnx",
+                         onnx_external={f"{p.symbol}.bin": f"orders/{p.symbol}.bin"})
         parts_manifest.append(entry)
 
     from . import report
@@ -174,6 +177,14 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
     graph = report.graph_of(result.mod)
     lowered = codegen.lower_regions(result.mod)
     target_entries = {}
+    # Each fallback is compiled without its weights: they are passed in at load time, read from
+    # the order's blob where the bytes are the same (most are), else from a small params member.
+    fallbacks = {}
+    for p in kept:
+        fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)
+        entry = next(e for e in parts_manifest if e["symbol"] == p.symbol)
+        entry["fallback_params"] = _fallback_params(p.symbol, values, members)
+        fallbacks[p.symbol] = fb_mod
     with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
         tmpd = Path(tmp)
         for t in tgts:
@@ -185,7 +196,7 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
             for p in kept:
                 progress(f"compiling the TVM fallback of {p.symbol} for {t.name}")
                 fb = tmpd / f"{t.name}.{p.symbol}.so"
-                codegen.build(codegen.region_as_module(p.func), t.llvm, fb, t.cross_cc)
+                codegen.build(fallbacks[p.symbol], t.llvm, fb, t.cross_cc)
                 member = f"fallback/{t.name}/{p.symbol}.so"
                 members[member] = fb.read_bytes()
                 entry["fallback"][p.symbol] = member
@@ -233,6 +244,41 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
         }
         progress(f"writing {out_path.name}")
         return hmod.write_bundle(out_path, manifest, members, private_key=key)
+
+
+def _fallback_params(symbol: str, values: list[np.ndarray], members: dict) -> list[dict]:
+    """Where the TVM fallback's weight parameters live: byte ranges of the order's blob when the
+    bytes are identical (or, for a 2-D kernel, its transpose: ``perm``), else of
+    ``fallback/<symbol>.params.bin`` (made here when needed)."""
+    import hashlib
+
+    blob = members[f"orders/{symbol}.bin"]
+    order = json.loads(members[f"orders/{symbol}.json"])
+    known = {}
+    for w in order["weights"].values():
+        off, n = int(w["offset"]), int(w["nbytes"])
+        known.setdefault(hashlib.sha256(blob[off:off + n]).digest(), off)
+    extra = bytearray()
+    out = []
+    def le_bytes(x: np.ndarray) -> bytes:
+        return np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
+
+    for a in values:
+        data = le_bytes(a)
+        spec = {"member": f"orders/{symbol}.bin", "offset": known.get(hashlib.sha256(data).digest()),
+                "nbytes": len(data), "shape": list(a.shape), "dtype": str(a.dtype)}
+        if spec["offset"] is None and a.ndim == 2:  # a dense kernel is the order's, transposed
+            off = known.get(hashlib.sha256(le_bytes(a.T)).digest())
+            if off is not None:
+                spec.update(offset=off, shape=list(a.T.shape), perm=[1, 0])
+        if spec["offset"] is None:
+            extra.extend(b"\0" * (-len(extra) % 64))
+            spec.update(member=f"fallback/{symbol}.params.bin", offset=len(extra))
+            extra.extend(data)
+        out.append(spec)
+    if extra:
+        members[f"fallback/{symbol}.params.bin"] = bytes(extra)
+    return out
 
 
 def _flops(func) -> float:

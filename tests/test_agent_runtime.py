@@ -413,7 +413,8 @@ def test_onnxruntime_writes_into_the_callers_buffer(base):
     with hmod.open_bundle(base) as b:
         part = [p for p in b.manifest["partitions"] if p["delegate"]][0]
         order, onnx_bytes = b.order(part["symbol"]), b.read(part["onnx"])
-    ex = OrtExecutor(order, onnx_bytes)
+        external = {name: b.read(member) for name, member in part["onnx_external"].items()}
+    ex = OrtExecutor(order, onnx_bytes, external=external)
     rng = np.random.default_rng(0)
     ins = [rng.standard_normal(i["shape"]).astype(np.float32) for i in order["inputs"]]
     outs = [np.full(o["shape"], np.nan, np.float32) for o in order["outputs"]]

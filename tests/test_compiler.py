@@ -94,6 +94,23 @@ def test_compile_host_and_aarch64_then_verify(name, bundles_dir):
     assert v["ok"] is True and v["max_abs_err"] < 1e-3
     assert {s["executor"] for s in v["subgraphs"]} == {"onnxruntime"}
 
+    # weights are stored once: the ONNX renderings and the TVM fallbacks refer to the order's blob
+    with zipfile.ZipFile(out) as z:
+        size = {i.filename: i.file_size for i in z.infolist()}
+    for p in m["partitions"]:
+        if not p["delegate"]:
+            continue
+        blob = size[p["weights"]]
+        assert size[p["onnx"]] < 0.05 * blob + 65536, (p["symbol"], size[p["onnx"]], blob)
+        assert p["onnx_external"] == {f"{p['symbol']}.bin": p["weights"]}
+        for t in m["targets"].values():
+            assert size[t["fallback"][p["symbol"]]] < 0.3 * blob + 300_000, (t, size[t["fallback"][p["symbol"]]], blob)
+        params = p["fallback_params"]
+        assert params and sum(q["nbytes"] for q in params) >= 0.9 * blob
+        in_blob = sum(q["nbytes"] for q in params if q["member"] == p["weights"])
+        assert in_blob >= 0.95 * sum(q["nbytes"] for q in params)
+    assert sum(size.values()) < 1.3 * sum(size[p["weights"]] for p in m["partitions"] if p["delegate"]) + 2_000_000
+
 
 def test_verify_fails_against_a_different_model(bundles_dir):
     out = compiled("resnet18", zoo.resnet18(), bundles_dir)

@@ -53,10 +53,21 @@ def run(order: dict, blob: bytes, *xs: np.ndarray) -> list[np.ndarray]:
     for vis, ts in ((g.input, order["inputs"]), (g.output, order["outputs"])):
         assert [v.name for v in vis] == [t["name"] for t in ts]
         assert [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in vis] == [t["shape"] for t in ts]
+    feed = {t["name"]: x for t, x in zip(order["inputs"], xs)}
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    outs = sess.run(None, {t["name"]: x for t, x in zip(order["inputs"], xs)})
+    outs = sess.run(None, feed)
     for o, t in zip(outs, order["outputs"]):
         assert list(o.shape) == t["shape"]
+    # the bundle's rendering: weights left in the blob as external data, given to onnxruntime as
+    # an in-memory file (as the agent does); same numbers, and no weight bytes inside the model
+    ext = order_to_onnx(order, blob, external="w.bin")
+    assert all(i.data_location == onnx.TensorProto.EXTERNAL or i.name not in order["weights"]
+               for i in ext.graph.initializer)
+    so = ort.SessionOptions()
+    so.add_external_initializers_from_files_in_memory(["w.bin"], [np.frombuffer(blob, np.uint8)], [len(blob)])
+    ext_outs = ort.InferenceSession(ext.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feed)
+    for o, e in zip(outs, ext_outs):
+        np.testing.assert_allclose(e, o, rtol=1e-6, atol=1e-6)
     return outs
 
 

@@ -31,7 +31,10 @@ def _bindable(a: np.ndarray) -> bool:
 class OrtExecutor:
     name = "onnxruntime"
 
-    def __init__(self, order: dict, onnx_bytes: bytes, threads: int = 0, zero_copy: bool = True) -> None:
+    def __init__(self, order: dict, onnx_bytes: bytes, threads: int = 0, zero_copy: bool = True,
+                 external: dict[str, bytes] | None = None) -> None:
+        """``external``: the files the model's external data names (the order's weights blob),
+        handed to onnxruntime in memory: nothing is written to disk."""
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -41,6 +44,11 @@ class OrtExecutor:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if threads:
             so.intra_op_num_threads = threads
+        if external:
+            # onnxruntime may use these buffers in place: they live as long as the session
+            self._external = [np.frombuffer(b, np.uint8) for b in external.values()]
+            so.add_external_initializers_from_files_in_memory(list(external), self._external,
+                                                              [len(b) for b in self._external])
         self.session = ort.InferenceSession(onnx_bytes, so, providers=["CPUExecutionProvider"])
         self.in_names = [i["name"] for i in order["inputs"]]
         self.out_names = [o["name"] for o in order["outputs"]]

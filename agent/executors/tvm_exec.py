@@ -17,13 +17,19 @@ import numpy as np
 class TvmExecutor:
     name = "tvm"
 
-    def __init__(self, order: dict, lib_path: Path) -> None:
+    def __init__(self, order: dict, lib_path: Path, params: list[np.ndarray] | None = None) -> None:
+        """``params``: the weights the fallback was compiled without (manifest fallback_params),
+        turned once here into what ``main`` takes (``main_transform_params``: kernel layouts)."""
         import tvm
         from tvm import relax
 
         self.dev = tvm.cpu()
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
         self._main = self.vm["main"]
+        self._params: list = []
+        if params:
+            raw = [tvm.runtime.tensor(np.ascontiguousarray(p), self.dev) for p in params]
+            self._params = list(self.vm["main_transform_params"](raw))
         self.backend = "llvm"
         self.last_run_ns = 0
         self.last_zero_copy = False  # the fallback function allocates its result: one copy out
@@ -32,7 +38,7 @@ class TvmExecutor:
 
     def _call(self, args):
         t0 = time.perf_counter_ns()
-        out = self._main(*args)
+        out = self._main(*args, *self._params)
         self.last_run_ns = time.perf_counter_ns() - t0
         return list(out) if not hasattr(out, "numpy") else [out]
 
