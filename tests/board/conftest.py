@@ -2,8 +2,9 @@
 
 When board tests are collected (and the board is the emulated one), scripts/board/build.sh starts
 in the background as soon as collection ends: building the board from a cold cache takes minutes
-of mostly single-threaded emulation, which overlaps with the host tests on a second core. The
-`board_ready` fixture then waits for it, showing its log, live. TANDOOR_BOARD_BACKGROUND=0 builds
+of mostly single-threaded emulation, which overlaps with the host tests on a second core; its
+progress lines show between host tests. The `board_ready` fixture then waits for it, showing its
+log, live. TANDOOR_BOARD_BACKGROUND=0 builds
 in the foreground instead (when the first board test starts).
 """
 
@@ -38,6 +39,7 @@ class _Build:
     def __init__(self) -> None:
         self.log = Path(tempfile.mkstemp(prefix="tandoor-board-build-", suffix=".log")[1])
         self.t0 = time.monotonic()
+        self._shown = 0  # bytes of the log whose status lines were already shown
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen([str(BUILD_SH)], stdout=f, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
@@ -58,6 +60,19 @@ class _Build:
                 else:
                     time.sleep(0.5)
 
+    def new_status_lines(self) -> list[str]:
+        """build.sh's own progress lines ("[board 123s] ...") written since the last call; the
+        tools' output under them stays in the log."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._shown)
+                chunk = f.read()
+        except OSError:
+            return []
+        end = chunk.rfind(b"\n") + 1   # whole lines only
+        self._shown += end
+        return [ln for ln in chunk[:end].decode(errors="replace").splitlines() if ln.startswith("[board")]
+
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -73,6 +88,8 @@ class _Build:
 
 
 _build: _Build | None = None
+_reporter = None            # pytest's terminal reporter, for progress lines between host tests
+_follow_started = False     # the board tests began: from then on the log is shown live
 
 
 def _emulated() -> bool:
@@ -86,10 +103,27 @@ def pytest_collection_finish(session):
             or not any(_on_board(i) for i in session.items)):
         return
     _build = _Build()
-    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    global _reporter
+    _reporter = tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    session.config.pluginmanager.register(_Progress(), "tandoor-board-progress")
     if tr is not None:
         tr.write_line(f"[tests/board] building or reusing the emulated arm64 board in the background "
                       f"(scripts/board/build.sh, log {_build.log}); the board tests run last")
+
+
+class _Progress:
+    """While host tests run, shows the background board build's progress between them. A plugin
+    registered at run time: a hook in this conftest would only see the tests of tests/board."""
+
+    @staticmethod
+    def pytest_runtest_logfinish(nodeid, location):
+        if _build is None or _follow_started or _reporter is None:
+            return
+        lines = _build.new_status_lines()
+        if lines:
+            _reporter.write("\n")  # the progress dots do not end their line
+            for ln in lines:
+                _reporter.write_line(f"[tests/board] {ln}")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -100,7 +134,8 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def board_ready(request) -> None:
     """The emulated board is built (or the tests skip with the reason it cannot be)."""
-    global _build
+    global _build, _follow_started
+    _follow_started = True
     capman = request.config.pluginmanager.getplugin("capturemanager")
     with capman.global_and_fixture_disabled():
         err = sys.stderr
