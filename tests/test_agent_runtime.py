@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bundle_edit import rewrite, stderr_imports
 from conftest import BIN, compiled, manifest_of, run_cli
 from tandoor_agent import hmod
 from tandoor_agent.executors import armnn as armnn_ex
@@ -42,35 +43,13 @@ def refused(bundle: Path, *extra: str, cwd: Path | None = None) -> tuple[int, st
     error line), after checking that stderr has nothing else and nothing heavy was imported."""
     env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")
     res = agent("run", str(bundle), "--json", *extra, env=env, cwd=cwd)
-    imported, other = set(), []
-    for line in res.stderr.splitlines():
-        if line.startswith("import time:"):
-            imported.add(line.rsplit("|", 1)[-1].strip().split(".")[0])
-        elif line.strip():
-            other.append(line)
+    imported, other = stderr_imports(res.stderr)
     assert res.stdout == "", res.stdout
     assert len(other) == 1, res.stderr
     assert other[0].startswith("tandoor-agent: error: "), other
     loaded = sorted(imported & set(HEAVY))
     assert not loaded, f"refused bundle still imported {loaded}"
     return res.returncode, other[0]
-
-
-def members_of(path: Path) -> tuple[dict, dict[str, bytes]]:
-    with zipfile.ZipFile(path) as z:
-        man = json.loads(z.read(hmod.MANIFEST))
-        return man, {n: z.read(n) for n in man["files"]}
-
-
-def rewrite(src: Path, dst: Path, edit=None, key: Path | None = None) -> Path:
-    """Re-write a real bundle through hmod.write_bundle (as the compiler does), after edit(manifest,
-    members) changed what it wanted; signed with key if given."""
-    man, members = members_of(src)
-    man.pop("files")
-    if edit is not None:
-        edit(man, members)
-    hmod.write_bundle(dst, man, members, private_key=key)
-    return dst
 
 
 def data_offset(path: Path, member: str) -> tuple[int, int]:

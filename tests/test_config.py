@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bundle_edit import stderr_imports
 from conftest import BIN, ROOT
 from tandoor_agent import config
 from tandoor_agent.config import ConfigError
@@ -214,12 +215,7 @@ def test_agent_refuses_a_bad_config_in_one_line_before_importing_anything_heavy(
     env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")
     for args in (["--config", str(bad)], ["serve", "--config", str(bad)]):
         res = _agent(*args, env=env)
-        imported, other = set(), []
-        for line in res.stderr.splitlines():
-            if line.startswith("import time:"):
-                imported.add(line.rsplit("|", 1)[-1].strip().split(".")[0])
-            elif line.strip():
-                other.append(line)
+        imported, other = stderr_imports(res.stderr)
         assert res.returncode == 2, res.stderr[-2000:]
         assert other == ["tandoor-agent: error: broker.port: must be in 1..65535, got 99999"], other
         assert not imported & set(HEAVY), sorted(imported & set(HEAVY))

@@ -11,12 +11,12 @@ import re
 import stat
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bundle_edit import rewrite, npy
 from conftest import compiled
 from tandoor_agent import hmod
 from tandoor_agent.health import HealthReport, gate, health_check, health_check_isolated
@@ -25,23 +25,6 @@ from tandoor_agent.slots import SlotStore, TransitionError
 from tandoor_compiler import zoo
 
 DELEGATE = "onnxruntime"  # the fastest to build here; the gate's logic does not depend on it
-
-
-def rewrite(src: Path, dst: Path, edit=None, key: Path | None = None) -> Path:
-    with zipfile.ZipFile(src) as z:
-        man = json.loads(z.read(hmod.MANIFEST))
-        members = {n: z.read(n) for n in man["files"]}
-    man.pop("files")
-    if edit is not None:
-        edit(man, members)
-    hmod.write_bundle(dst, man, members, private_key=key)
-    return dst
-
-
-def npy(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a, allow_pickle=False)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ process at every step of an install/commit/rollback, each followed by recover_on
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from bundle_edit import sha, members_of, rewrite, version
 from conftest import compiled
 from tandoor_agent import hmod, slots
 from tandoor_agent.config import committed_bundle
@@ -28,32 +28,6 @@ from tandoor_compiler import zoo
 
 
 # --- helpers -----------------------------------------------------------------------------------
-
-def sha(p: Path) -> str:
-    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
-
-
-def members_of(path: Path) -> tuple[dict, dict[str, bytes]]:
-    with zipfile.ZipFile(path) as z:
-        man = json.loads(z.read(hmod.MANIFEST))
-        return man, {n: z.read(n) for n in man["files"]}
-
-
-def rewrite(src: Path, dst: Path, edit=None, key: Path | None = None) -> Path:
-    """Re-write a real bundle through hmod.write_bundle after edit(manifest, members)."""
-    man, members = members_of(src)
-    man.pop("files")
-    if edit is not None:
-        edit(man, members)
-    hmod.write_bundle(dst, man, members, private_key=key)
-    return dst
-
-
-def version(v: str):
-    def edit(man, members):
-        man["model"]["version"] = v
-    return edit
-
 
 def flip_byte(src: Path, dst: Path, member: str) -> Path:
     with zipfile.ZipFile(src) as z:

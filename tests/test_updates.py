@@ -20,18 +20,17 @@ directories, the host side (compiler/fleet.py and `tandoor fleet`) sending real 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import subprocess
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bundle_edit import sha, rewrite, version, npy
 from conftest import BIN, compiled
 from mosquitto import Broker, Recorder, available
 from tandoor_agent import hmod, slots
@@ -44,33 +43,6 @@ CHUNK = 16 * 1024
 
 
 # --- bundles -------------------------------------------------------------------------------------
-
-def sha(p: Path) -> str:
-    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
-
-
-def rewrite(src: Path, dst: Path, edit=None, key: Path | None = None) -> Path:
-    with zipfile.ZipFile(src) as z:
-        man = json.loads(z.read(hmod.MANIFEST))
-        members = {n: z.read(n) for n in man["files"]}
-    man.pop("files")
-    if edit is not None:
-        edit(man, members)
-    hmod.write_bundle(dst, man, members, private_key=key)
-    return dst
-
-
-def version(v: str):
-    def edit(man, members):
-        man["model"]["version"] = v
-    return edit
-
-
-def npy(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a, allow_pickle=False)
-    return buf.getvalue()
-
 
 def make_bundles(bundles_dir: Path, d: Path) -> dict[str, Path]:
     """dynamic_batch (1x3x32x32, host + aarch64) by the real CLI; versions signed with k1; a bundle
