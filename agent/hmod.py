@@ -136,6 +136,19 @@ class KeyFileError(BundleError):
 _ARCH_ALIASES = {"arm64": "aarch64", "armv8": "aarch64", "amd64": "x86_64", "x64": "x86_64"}
 
 
+def blob_array(blob: bytes, spec: Mapping[str, Any]) -> np.ndarray:
+    """The little-endian array ``spec`` ({offset, nbytes, shape, dtype}) places in ``blob``, as a
+    read-only view. Raises ValueError when the range does not hold that shape and dtype."""
+    dt = np.dtype(spec["dtype"]).newbyteorder("<")
+    shape = tuple(int(d) for d in spec["shape"])
+    count = int(np.prod(shape, dtype=np.int64))
+    off, nbytes = int(spec["offset"]), int(spec["nbytes"])
+    if nbytes != count * dt.itemsize or off < 0 or off + nbytes > len(blob):
+        raise ValueError(f"{nbytes} bytes at offset {off} do not hold {list(shape)} {spec['dtype']} "
+                         f"inside a {len(blob)}-byte blob")
+    return np.frombuffer(blob, dt, count, off).reshape(shape)
+
+
 def normalize_arch(arch: str) -> str:
     """Map OS spellings (macOS/Windows ``arm64``/``AMD64``) to the manifest's names."""
     a = arch.strip().lower()

@@ -116,19 +116,16 @@ def _fallback_params(bundle, part: dict) -> list[np.ndarray]:
         member = spec["member"]
         if member not in blobs:
             blobs[member] = bundle.read(member)
-        dt = np.dtype(spec["dtype"]).newbyteorder("<")
-        shape = tuple(int(d) for d in spec["shape"])
-        off, n = int(spec["offset"]), int(spec["nbytes"])
-        count = int(np.prod(shape, dtype=np.int64))
-        if n != count * dt.itemsize or off < 0 or off + n > len(blobs[member]):
-            raise RuntimeError_(f"fallback_params[{i}] of {part.get('symbol')}: {n} bytes at {off} of {member} "
-                                f"do not hold {list(shape)} {spec['dtype']}; recompile the model")
-        a = np.frombuffer(blobs[member], dt, count, off).reshape(shape)
+        try:
+            a = hmod.blob_array(blobs[member], spec)
+        except ValueError as err:
+            raise RuntimeError_(f"fallback_params[{i}] of {part.get('symbol')} in {member}: {err}; "
+                                "recompile the model") from None
         perm = spec.get("perm")
         if perm is not None:
-            if sorted(perm) != list(range(len(shape))):
+            if sorted(perm) != list(range(a.ndim)):
                 raise RuntimeError_(f"fallback_params[{i}] of {part.get('symbol')}: perm {perm} does not fit "
-                                    f"{list(shape)}; recompile the model")
+                                    f"{list(a.shape)}; recompile the model")
             a = a.transpose(perm)
         out.append(a)
     return out

@@ -197,14 +197,11 @@ class _Renderer:
         w = self.wtable.get(name)
         if w is None:
             raise ValueError(f"weight {name!r} is not in the order's weights table")
-        dt = np.dtype(w["dtype"]).newbyteorder("<")
-        shape = [int(d) for d in w["shape"]]
-        count = int(np.prod(shape, dtype=np.int64))
-        off, nbytes = int(w["offset"]), int(w["nbytes"])
-        if nbytes != count * dt.itemsize or off < 0 or off + nbytes > len(self.blob):
-            raise ValueError(f"weight {name!r}: {nbytes} bytes at offset {off} do not hold {shape} "
-                             f"{w['dtype']} inside a {len(self.blob)}-byte blob")
-        return np.frombuffer(self.blob, dt, count, off).reshape(shape).astype(dt.newbyteorder("="))
+        try:
+            a = hmod.blob_array(self.blob, w)
+        except ValueError as err:
+            raise ValueError(f"weight {name!r}: {err}") from None
+        return a.astype(a.dtype.newbyteorder("="))
 
     def node(self, op_type: str, inputs: list[str], output: str, **attrs) -> str:
         self.nodes.append(helper.make_node(op_type, inputs, [output], **attrs))

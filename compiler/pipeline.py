@@ -156,13 +156,14 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
 
     members: dict[str, bytes | Path] = {}
     parts_manifest = []
+    orders: dict[str, tuple[dict, bytes]] = {}  # symbol -> (order, weights blob), delegated only
     for p in result.partitions:
         entry = {"symbol": p.symbol, "ops": [o.removeprefix("relax.") for o in p.ops], "composites": p.composites,
                  "delegate": p.delegate, "reason": p.reason, "est": p.est}
         if p.delegate and measured and p.est.get("executor"):
             entry["executor"] = p.est["executor"]     # hint for the runtime's auto mode
         if p.delegate:
-            order, blob = codegen.region_to_order(p.func, p.symbol)
+            order, blob = orders[p.symbol] = codegen.region_to_order(p.func, p.symbol)
             members[f"orders/{p.symbol}.json"] = json.dumps(order, indent=1, sort_keys=True).encode()
             members[f"orders/{p.symbol}.bin"] = blob
             # the ONNX rendering refers to the weights blob (external data) instead of copying it
@@ -183,7 +184,7 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
     for p in kept:
         fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)
         entry = next(e for e in parts_manifest if e["symbol"] == p.symbol)
-        entry["fallback_params"] = _fallback_params(p.symbol, values, members)
+        entry["fallback_params"] = _fallback_params(p.symbol, *orders[p.symbol], values, members)
         fallbacks[p.symbol] = fb_mod
     with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
         tmpd = Path(tmp)
@@ -246,14 +247,12 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
         return hmod.write_bundle(out_path, manifest, members, private_key=key)
 
 
-def _fallback_params(symbol: str, values: list[np.ndarray], members: dict) -> list[dict]:
+def _fallback_params(symbol: str, order: dict, blob: bytes, values: list[np.ndarray], members: dict) -> list[dict]:
     """Where the TVM fallback's weight parameters live: byte ranges of the order's blob when the
     bytes are identical (or, for a 2-D kernel, its transpose: ``perm``), else of
     ``fallback/<symbol>.params.bin`` (made here when needed)."""
     import hashlib
 
-    blob = members[f"orders/{symbol}.bin"]
-    order = json.loads(members[f"orders/{symbol}.json"])
     known = {}
     for w in order["weights"].values():
         off, n = int(w["offset"]), int(w["nbytes"])
