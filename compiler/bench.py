@@ -130,9 +130,9 @@ def memory_plan(mod, target_dict: dict) -> dict:
 
 def _relax_module(model, delegate: dict[str, bool]):
     """The TVM side of a bundle as compile_model builds it: `delegate` says which regions stay."""
-    from . import codegen, frontend, partition, passes
+    from . import codegen, frontend, importer, partition, passes
 
-    mod, _ = passes.optimise(frontend.to_relax(model))
+    mod, _ = passes.optimise(importer.to_relax(model))
     result = partition.partition(mod, model.name, lambda p: (delegate.get(p.symbol, False), "bench"))
     return codegen.lower_regions(result.mod)
 

@@ -14,6 +14,7 @@ from tvm import relax
 
 from tandoor_agent import hmod
 
+from . import acl
 from .errors import CompileError
 
 ALIGN = 64
@@ -35,139 +36,14 @@ class WeightPacker:
 
 
 def _shape(e) -> list[int]:
-    return [int(d) for d in e.ty.shape]
+    ty = e.ty
+    if not hasattr(ty, "shape"):
+        raise CompileError(f"internal: a delegated tensor has no tensor type ({type(ty).__name__})")
+    return [int(d) for d in ty.shape]
 
 
 def _dtype(e) -> str:
     return str(e.ty.dtype)
-
-
-def _const(e) -> np.ndarray:
-    if not isinstance(e, tvm.ir.GenericConst):
-        raise CompileError(f"internal: expected a constant in a delegated op, got {type(e).__name__}")
-    return e.value.numpy()
-
-
-def _num(v) -> float:
-    return float(v.value) if hasattr(v, "value") else float(v)
-
-
-def _ints(v) -> list[int]:
-    return [int(x) for x in v]
-
-
-def _calls(func: relax.Function) -> list[relax.Call]:
-    out = []
-    for block in func.body.blocks:
-        for b in block.bindings:
-            if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op):
-                out.append(b.value)
-    if isinstance(func.body.body, relax.Call):
-        out.append(func.body.body)
-    return out
-
-
-def _activation(call: relax.Call | None) -> dict | None:
-    if call is None:
-        return None
-    name = call.op.name
-    if name == "relax.nn.relu":
-        return {"kind": "relu"}
-    if name == "relax.clip":
-        lo, hi = _num(call.args[1]), _num(call.args[2])
-        return {"kind": "clip", "min": lo, "max": hi}
-    if name == "relax.sigmoid":
-        return {"kind": "sigmoid"}
-    if name == "relax.tanh":
-        return {"kind": "tanh"}
-    if name == "relax.nn.leakyrelu":
-        return {"kind": "leaky_relu", "alpha": float(call.attrs.alpha)}
-    raise CompileError(f"internal: unknown activation {name}")
-
-
-ACT_OPS = {"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh", "relax.nn.leakyrelu"}
-
-
-def _composite_to_ops(comp: relax.Function, composite: str, ins: list[str], out: str, w: WeightPacker) -> list[dict]:
-    """One composite function -> one or two order ops."""
-    calls = _calls(comp)
-    by = {c.op.name: c for c in calls}
-    act = next((c for c in calls if c.op.name in ACT_OPS), None)
-    kind = composite.split(".", 1)[1]
-    if kind.startswith("conv2d"):
-        conv = by["relax.nn.conv2d"]
-        kernel = _const(conv.args[1])
-        a = conv.attrs
-        cin = _shape(conv.args[0])[3]
-        groups = int(a.groups)
-        weights = {"kernel": w.add(kernel, "kernel")}
-        if "relax.add" in by and kind.startswith("conv2d_bias"):
-            weights["bias"] = w.add(_const(by["relax.add"].args[1]).reshape(-1), "bias")
-        attrs = {
-            "strides": _ints(a.strides), "padding": _ints(a.padding), "dilation": _ints(a.dilation),
-            "groups": groups, "depthwise": groups != 1 and groups == cin,
-            "activation": _activation(act) if act is not None else None,
-        }
-        return [{"type": "conv2d", "inputs": ins[:1], "output": out, "attrs": attrs, "weights": weights}]
-    if kind.startswith("dense"):
-        mm = by["relax.matmul"]
-        weights = {"kernel": w.add(_const(mm.args[1]).T, "kernel")}
-        if kind.startswith("dense_bias"):
-            weights["bias"] = w.add(_const(by["relax.add"].args[1]).reshape(-1), "bias")
-        return [{"type": "dense", "inputs": ins[:1], "output": out,
-                 "attrs": {"activation": _activation(act) if act is not None else None}, "weights": weights}]
-    root = calls[0]
-    a = root.attrs
-    if kind.startswith("hardswish"):
-        return [{"type": "activation", "inputs": ins[:1], "output": out, "attrs": {"activation": {"kind": "hardswish"}}}]
-    if kind in ("relu", "clip", "sigmoid", "tanh", "leaky_relu"):
-        return [{"type": "activation", "inputs": ins, "output": out, "attrs": {"activation": _activation(root)}}]
-    if kind in ("max_pool2d", "avg_pool2d"):
-        return [{"type": "pool2d", "inputs": ins, "output": out, "attrs": {
-            "kind": "max" if kind == "max_pool2d" else "avg", "pool_size": _ints(a.pool_size),
-            "strides": _ints(a.strides), "padding": _ints(a.padding), "ceil_mode": bool(a.ceil_mode),
-            "count_include_pad": bool(a.count_include_pad)}}]
-    if kind in ("global_avg_pool2d", "global_avg_pool2d_mean", "global_max_pool2d"):
-        pk = "max" if kind == "global_max_pool2d" else "avg"
-        oshape = _shape(root)
-        if len(oshape) == 4:
-            return [{"type": "global_pool2d", "inputs": ins, "output": out, "attrs": {"kind": pk}}]
-        mid = out + "_pooled"
-        n, c = oshape[0], oshape[-1]
-        return [{"type": "global_pool2d", "inputs": ins, "output": mid, "attrs": {"kind": pk},
-                 "_tensor": {"shape": [n, 1, 1, c], "dtype": "float32"}},
-                {"type": "reshape", "inputs": [mid], "output": out, "attrs": {"shape": oshape}}]
-    if kind in ("add", "subtract", "multiply"):
-        bk = {"add": "add", "subtract": "sub", "multiply": "mul"}[kind]
-        lhs, rhs = root.args[0], root.args[1]
-        op = {"type": "binary", "inputs": [], "output": out, "attrs": {"kind": bk}, "weights": {}}
-        # inputs are the non-constant args in order; constants become weights
-        it = iter(ins)
-        for role, arg in (("lhs", lhs), ("rhs", rhs)):
-            if isinstance(arg, tvm.ir.GenericConst):
-                op["weights"][role] = w.add(_const(arg), role)
-            else:
-                op["inputs"].append(next(it))
-        return [op]
-    if kind == "concat":
-        rank = len(_shape(root))
-        return [{"type": "concat", "inputs": ins, "output": out, "attrs": {"axis": int(a.axis) % rank}}]
-    if kind == "reshape":
-        return [{"type": "reshape", "inputs": ins[:1], "output": out, "attrs": {"shape": _shape(root)}}]
-    if kind == "softmax":
-        rank = len(_shape(root))
-        return [{"type": "softmax", "inputs": ins, "output": out, "attrs": {"axis": int(a.axis) % rank}}]
-    if kind == "resize2d":
-        oshape = _shape(root)
-        return [{"type": "resize2d", "inputs": ins[:1], "output": out, "attrs": {
-            "method": "nearest" if a.method == "nearest_neighbor" else "linear",
-            "coordinate_transformation_mode": str(a.coordinate_transformation_mode),
-            "rounding_method": str(a.rounding_method), "size": oshape[1:3]}}]
-    if kind == "transpose":
-        rank = len(_shape(root))
-        axes = _ints(a.axes) if a.axes is not None else list(reversed(range(rank)))
-        return [{"type": "transpose", "inputs": ins, "output": out, "attrs": {"axes": axes}}]
-    raise CompileError(f"internal: no order mapping for composite {composite}")
 
 
 def region_to_order(func: relax.Function, symbol: str) -> tuple[dict, bytes]:
@@ -195,10 +71,18 @@ def region_to_order(func: relax.Function, symbol: str) -> tuple[dict, bytes]:
                 names[b.var] = out
                 tensors[out] = {"shape": _shape(b.var), "dtype": _dtype(b.var)}
                 ins = [_tensor_name(a, names) for a in _flat_args(v.args)]
-                for op in _composite_to_ops(comp, str(comp.attrs["Composite"]), ins, out, w):
-                    if "_tensor" in op:
-                        tensors[op["output"]] = op.pop("_tensor")
-                    ops.append(op)
+                composite = str(comp.attrs["Composite"])
+
+                def add_tensor(shape: list[int], dtype: str = "float32") -> str:
+                    name = f"t{len(names)}_{len(tensors)}"
+                    tensors[name] = {"shape": list(shape), "dtype": dtype}
+                    return name
+
+                match = acl.Match(composite, comp, ins, out, w.add, add_tensor)
+                try:
+                    ops += acl.entry_for(composite).emit(match)
+                except (KeyError, ValueError) as err:
+                    raise CompileError(f"internal: no order for composite {composite} in {symbol}: {err}") from None
                 continue
             if isinstance(v, relax.Tuple) or isinstance(v, relax.TupleGetItem) or isinstance(v, relax.Var):
                 names[b.var] = v  # resolved below through the tuple
@@ -316,7 +200,10 @@ def build(mod: tvm.IRModule, target: dict, out_path, cross_cc: str | None) -> No
     # the host target gets its CPU named (x86-64-v3 on AVX2 machines) instead of generic x86-64.
     from . import schedule
 
+    from .passes import legalise_for_tvm
+
     t = tvm.target.Target(target if cross_cc else schedule.host_target(target))
+    mod = legalise_for_tvm(mod)
     ex = tvm.compile(mod, target=t, relax_pipeline=schedule.cpu_pipeline(t))
     if cross_cc:
         from tvm.support import cc

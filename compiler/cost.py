@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
+from . import acl
+
 # --- FLOPs and bytes per op ----------------------------------------------------------------------
 
 S_E = 3.0      # the architecture's default executor speedup (only for the legacy speedup() helper)
@@ -49,27 +51,15 @@ def _tensor_bytes(ty) -> int:
 
 
 def op_flops(call: relax.Call) -> float:
-    name = call.op.name
+    """Work an op does, by the ACL table's formula for it (compiler/acl.py RELAX_OPS); ops it
+    gives no formula count one operation per output element."""
+    row = acl.relax_op(call.op.name)
     try:
-        out = [int(d) for d in call.ty.shape]
+        if row.flops is not None:
+            return float(row.flops(call))
+        return float(_numel([int(d) for d in call.ty.shape]))
     except Exception:
         return 0.0
-    if name == "relax.nn.conv2d":
-        a = call.attrs
-        k = [int(d) for d in call.args[1].ty.shape]
-        layout = str(a.kernel_layout)
-        per_out = k[layout.index("I")] * k[layout.index("H")] * k[layout.index("W")]
-        return 2.0 * _numel(out) * per_out
-    if name == "relax.matmul":
-        kdim = int(call.args[0].ty.shape[-1])
-        return 2.0 * _numel(out) * kdim
-    if name in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
-        return float(_numel(out) * math.prod(int(x) for x in call.attrs.pool_size))
-    if name in ("relax.mean", "relax.max", "relax.sum", "relax.nn.adaptive_avg_pool2d"):
-        return float(_numel([int(d) for d in call.args[0].ty.shape]))
-    if name in ("relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.flatten"):
-        return 0.0
-    return float(_numel(out))
 
 
 def op_bytes(call: relax.Call) -> int:
@@ -79,14 +69,6 @@ def op_bytes(call: relax.Call) -> int:
         for x in (a.fields if isinstance(a, relax.Tuple) else [a]):
             total += _tensor_bytes(getattr(x, "ty", None))      # 0 for shapes and scalars
     return total
-
-
-# Ops whose cost is compute or a full pass over memory even when fused; the rest (elementwise,
-# layout, activations) TVM fuses into a neighbouring kernel's loop.
-HEAVY = {"relax.nn.conv2d", "relax.matmul", "relax.nn.max_pool2d", "relax.nn.avg_pool2d",
-         "relax.nn.adaptive_avg_pool2d", "relax.mean", "relax.max", "relax.sum", "relax.nn.softmax",
-         "relax.image.resize2d", "relax.permute_dims", "relax.concat"}
-FREE = {"relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.flatten"}
 
 
 # --- the per-target rate table -------------------------------------------------------------------
@@ -143,10 +125,10 @@ def kernel_us(calls: list[relax.Call], nbytes: float, r: Rate, fused: bool) -> f
     """One kernel made of `calls`. `fused`: a TVM kernel whose elementwise ops ride along with a
     neighbour (no traffic of their own)."""
     flops = sum(op_flops(c) for c in calls)
-    names = {c.op.name for c in calls}
-    if names <= FREE:
+    classes = {acl.relax_op(c.op.name).cost for c in calls}
+    if classes <= {"free"}:
         return 0.0
-    if fused and not names & HEAVY:
+    if fused and "heavy" not in classes:
         return flops / (r.gflops * 1e3)
     return _roofline(flops, nbytes, r)
 

@@ -26,6 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tandoor_agent import hmod
+from tandoor_contract import orders
 
 OPSET = 17
 # The IR version that came with opset 17 (onnx 1.12). Every onnxruntime that runs opset 17
@@ -36,7 +37,7 @@ IR_VERSION = 8
 TO_NCHW = [0, 3, 1, 2]
 TO_NHWC = [0, 2, 3, 1]
 
-_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul"}
+_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min"}
 _GLOBAL_POOL = {"avg": "ReduceMean", "max": "ReduceMax"}
 _POOL = {"avg": "AveragePool", "max": "MaxPool"}
 # TVM's coordinate_transformation_mode values that mean the same in ONNX Resize-13
@@ -75,11 +76,9 @@ def order_to_onnx(order: dict, weights: bytes, external: str | None = None) -> o
         raise ValueError(f"external data file name {external!r} must be a plain file name")
     r = _Renderer(order, bytes(weights), external)
     for i, op in enumerate(order["ops"]):
-        kind = op.get("type")
-        fn = getattr(r, f"_op_{kind}", None) if isinstance(kind, str) else None
-        if fn is None:
-            raise ValueError(f"order {order.get('symbol')!r}: op {i} has type {kind!r}, which has no ONNX rendering")
-        fn(op)
+        if reason := orders.check_op(op):
+            raise ValueError(f"order {order.get('symbol')!r}: op {i}: {reason}")
+        getattr(r, f"_op_{op['type']}")(op)     # every op type has one (tests/test_order_onnx.py)
     for o in order["outputs"]:
         r.nhwc(o["name"])
 
@@ -252,6 +251,11 @@ class _Renderer:
             return self.node("HardSwish", [x], y)
         if kind == "leaky_relu":
             return self.node("LeakyRelu", [x], y, alpha=float(act.get("alpha", 0.01)))
+        if kind == "hardsigmoid":
+            return self.node("HardSigmoid", [x], y, alpha=float(act["alpha"]), beta=float(act["beta"]))
+        if kind == "silu":
+            s = self.node("Sigmoid", [x], self.fresh(f"{y}__sigmoid"))
+            return self.node("Mul", [x, s], y)
         raise ValueError(f"activation kind {kind!r} has no ONNX rendering")
 
     def target(self, op: dict, act: dict | None, tag: str) -> str:
@@ -293,6 +297,48 @@ class _Renderer:
                       pads=_pads(a.get("padding", [0]), f"conv2d -> {op['output']}"),
                       dilations=[int(d) for d in a.get("dilation", [1, 1])], group=groups)
         self.produce_nchw(op, y, a.get("activation"))
+
+    def _op_conv2d_transpose(self, op: dict) -> None:
+        a = op["attrs"]
+        x = op["inputs"][0]
+        kernel = self.array(op["weights"]["kernel"])  # OHWI
+        if kernel.ndim != 4 or kernel.shape[3] != self.shape(x)[3]:
+            raise ValueError(f"conv2d_transpose -> {op['output']}: kernel {list(kernel.shape)} does not fit "
+                             f"{self.shape(x)[3]} input channels")
+        w = self.weight(op, "kernel", lambda k: k.transpose(3, 0, 1, 2), "iohw", perm=[3, 0, 1, 2])
+        ins = [self.to_nchw(x), w]
+        b = self.weight(op, "bias", lambda v: v.reshape(-1))
+        if b is not None:
+            ins.append(b)
+        y = self.node("ConvTranspose", ins, self.fresh(f"{op['output']}__deconv"),
+                      kernel_shape=list(kernel.shape[1:3]),
+                      strides=[int(s) for s in a.get("strides", [1, 1])],
+                      pads=_pads(a.get("padding", [0]), f"conv2d_transpose -> {op['output']}"),
+                      output_padding=[int(p) for p in a.get("output_padding", [0, 0])])
+        self.produce_nchw(op, y, a.get("activation"))
+
+    def _op_prelu(self, op: dict) -> None:
+        slope = self.weight(op, "slope")
+        self.node("PRelu", [self.nhwc(op["inputs"][0]), slope], self.output(op))
+
+    def _op_strided_slice(self, op: dict) -> None:
+        a, x = op["attrs"], op["inputs"][0]
+        rank = len(self.shape(x))
+        parts = [np.array([int(v) for v in a[k]], np.int64) for k in ("begin", "end", "strides")]
+        if any(len(p) != rank for p in parts) or (parts[2] <= 0).any():
+            raise ValueError(f"strided_slice -> {op['output']}: begin/end/strides must have {rank} entries, strides > 0")
+        names = [self.const(p, f"{op['output']}__{k}") for p, k in zip(parts, ("starts", "ends", "steps"))]
+        axes = self.const(np.arange(rank, dtype=np.int64), f"{op['output']}__axes")
+        self.node("Slice", [self.nhwc(x), names[0], names[1], axes, names[2]], self.output(op))
+
+    def _op_pad(self, op: dict) -> None:
+        a, x = op["attrs"], op["inputs"][0]
+        pads = np.array([int(p) for p in a["pads"]], np.int64)
+        if len(pads) != 2 * len(self.shape(x)) or (pads < 0).any():
+            raise ValueError(f"pad -> {op['output']}: pads {pads.tolist()} do not fit rank {len(self.shape(x))}")
+        value = self.const(np.array(float(a.get("value", 0.0)), np.float32), f"{op['output']}__value")
+        self.node("Pad", [self.nhwc(x), self.const(pads, f"{op['output']}__pads"), value], self.output(op),
+                  mode="constant")
 
     def _op_dense(self, op: dict) -> None:
         x = op["inputs"][0]

@@ -39,9 +39,24 @@ def _fusion_patterns() -> list[FusionPattern]:
     pats = []
     for rule in acl.rules():
         def check(ctx, rule=rule):
-            return rule.check(ctx.annotated_expr) is None
+            return not _escapes(ctx) and rule.check(ctx.annotated_expr) is None
         pats.append(FusionPattern(rule.name, rule.pattern, rule.annotations, check))
     return pats
+
+
+def _escapes(ctx) -> bool:
+    """A match whose intermediate value is also used outside it (conv -> add -> sigmoid where the
+    add feeds a multiply too, as in SiLU): FuseOpsByPattern would give the composite a second
+    result, and an order op has one. Such a match is refused; a smaller rule takes the ops."""
+    inside = list(ctx.matched_bindings.keys())
+    out = ctx.value_to_bound_var.get(ctx.matched_expr)
+    for var in inside:
+        if out is not None and var.same_as(out):
+            continue
+        for user in ctx.var_usages.get(var, []):
+            if not any(user.same_as(v) for v in inside):
+                return True
+    return False
 
 
 def _calls(func: relax.Function) -> list[relax.Call]:

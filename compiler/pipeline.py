@@ -22,7 +22,7 @@ import numpy as np
 
 from tandoor_agent import hmod
 
-from . import cost, frontend, targets as targets_mod
+from . import cost, frontend, importer, targets as targets_mod
 from .errors import CompileError
 
 TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}   # fp32, as TVM's own ACL tests
@@ -118,7 +118,7 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
     name = opts.name or model.name
     preprocess = _preprocess(opts, model.inputs)
     progress("importing into TVM Relax")
-    mod = frontend.to_relax(model)
+    mod = importer.to_relax(model)
     progress("optimising the graph (constants, BatchNorm, NHWC)")
     mod, facts = passes.optimise(mod)
 
@@ -232,6 +232,8 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
             "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],
             "ops_total": result.ops_total,
             "ops_delegated": ops_delegated,
+            "flops_total": round(total_flops),
+            "flops_delegated": round(sum(p.est.get("flops", 0) for p in kept)),
             "delegation_ratio": round(ops_delegated / result.ops_total, 4) if result.ops_total else 0.0,
             "predicted_speedup": round(cost.predicted_speedup(model_us, [p.est for p in kept]), 3),
             "model_tvm_us": round(model_us, 1),

@@ -370,7 +370,7 @@ def test_binary_with_constant_broadcast_operand(kind, fn, cshape):
     x, c = rand(1, 4, 5, 6), rand(*cshape)
     o = Order()
     o.input("x", x.shape)
-    o.op("binary", ["x"], "y", x.shape, {"kind": kind}, {"operand": o.weight("c", c)})
+    o.op("binary", ["x"], "y", x.shape, {"kind": kind}, {"rhs": o.weight("c", c)})
     close(run_order(o, ["y"], [x])[0], fn(x, c))
 
 

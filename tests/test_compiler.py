@@ -8,14 +8,14 @@ from collections import Counter
 import pytest
 
 from conftest import compiled, manifest_of, run_cli
-from tandoor_compiler import frontend, partition, passes, zoo
+from tandoor_compiler import frontend, importer, partition, passes, zoo
 
 CNNS = sorted(zoo.ALL_CNNS)
 
 
 def _partitioned(model_path):
     m = frontend.load(model_path)
-    mod, facts = passes.optimise(frontend.to_relax(m))
+    mod, facts = passes.optimise(importer.to_relax(m))
     return partition.partition(mod, m.name)
 
 

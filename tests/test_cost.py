@@ -12,7 +12,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from tandoor_compiler import cost, frontend, partition, passes, zoo  # noqa: E402
+from tandoor_compiler import cost, frontend, importer, partition, passes, zoo  # noqa: E402
 from tandoor_compiler.pipeline import Options, compile_model  # noqa: E402
 
 
@@ -103,7 +103,7 @@ def test_policies_all_and_none(crafted, tmp_path):
 
 def test_decisions_for_a_board_use_the_board_table(crafted):
     m = frontend.load(crafted)
-    mod, _ = passes.optimise(frontend.to_relax(m))
+    mod, _ = passes.optimise(importer.to_relax(m))
     model_us = cost.model_tvm_us(mod["main"], "aarch64")
     seen = {}
 
@@ -124,7 +124,7 @@ def test_decisions_for_a_board_use_the_board_table(crafted):
 def test_zoo_cnns_keep_their_single_region():
     for name in ("mobilenet_v2", "efficientnet_lite0"):
         m = frontend.load(zoo.ALL_CNNS[name]())
-        mod, _ = passes.optimise(frontend.to_relax(m))
+        mod, _ = passes.optimise(importer.to_relax(m))
         model_us = cost.model_tvm_us(mod["main"], "x86_64")
         r = partition.partition(mod, m.name, lambda p: cost.decide(cost.estimate(p.func, "x86_64"), model_us)[:2])
         assert [p.delegate for p in r.partitions] == [True], name
@@ -165,7 +165,7 @@ def test_conv_flops_do_not_depend_on_kernel_layout(crafted):
     from tvm import relax
 
     m = frontend.load(crafted)
-    mod, _ = passes.optimise(frontend.to_relax(m))             # OHWI
+    mod, _ = passes.optimise(importer.to_relax(m))             # OHWI
     hwio = relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "HWIO"]})(mod)
     flops = []
     for mm in (mod, hwio):

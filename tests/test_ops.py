@@ -279,12 +279,10 @@ def test_op_through_executor(case, executor, workdir):
         assert np.allclose(g, w, atol=ATOL, rtol=RTOL), f"{case.name} via {executor}: max abs err {np.abs(g - w).max()}"
 
 
-@pytest.mark.xfail(reason="compiler: ConvertLayout converts only conv2d to NHWC, so a pool/resize on the "
-                          "model input stays NCHW and in TVM (reported; fix: add NHWC rules for them)",
-                   strict=False)
-@pytest.mark.parametrize("case", [c for c in LAYOUT_OPS if c.name in ("max_pool", "global_avg_pool", "resize_nearest_2x")],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", LAYOUT_OPS, ids=lambda c: c.name)
 def test_layout_op_at_the_model_input(case, workdir):
+    """Pools, global pools and resizes straight on the (NCHW) model input are delegated too:
+    passes.nhwc_layout_ops puts them in NHWC between transposes."""
     bundle, man = _compiled(Case(case.name + "_alone", case.nodes, case.inputs, case.outputs, case.inits,
                                  case.composites), workdir)
     composites = [c for p in man["partitions"] if p["delegate"] for c in p["composites"]]

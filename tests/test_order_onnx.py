@@ -539,7 +539,7 @@ def _one_op(type_, attrs, weights=None, shape=(1, 4, 4, 3)):
     ("activation", {"activation": {"kind": "gelu"}}, "'gelu'"),
     ("pool2d", {"kind": "l2", "pool_size": [2, 2]}, "'l2'"),
     ("global_pool2d", {"kind": "l2"}, "'l2'"),
-    ("binary", {"kind": "div"}, "'div'"),
+    ("binary", {"kind": "pow"}, "'pow'"),
     ("resize2d", {"method": "cubic", "coordinate_transformation_mode": "half_pixel", "size": [4, 4]}, "'cubic'"),
     ("resize2d", {"method": "linear", "coordinate_transformation_mode": "tf_crop_and_resize", "size": [4, 4]},
      "tf_crop_and_resize"),

@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from tandoor_contract import orders
+
 __all__ = ["UnsupportedOrder", "ArmnnExecutor", "available", "backends"]
 
 DEFAULT_PREFERRED = ("CpuAcc", "GpuAcc", "CpuRef")
@@ -486,9 +488,9 @@ class ArmnnExecutor:
         where = f"op {k} ({typ} -> {out!r})"
         if out not in self._shapes:
             raise UnsupportedOrder(f"{where}: output tensor is not in the tensors table")
-        handler = getattr(self, f"_op_{typ}", None)
-        if handler is None:
-            raise UnsupportedOrder(f"{where}: op type {typ!r} is not in order_version 1")
+        if reason := orders.check_op(op):
+            raise UnsupportedOrder(f"op {k}: {reason}")
+        handler = getattr(self, f"_op_{typ}")
         ins = [self._slot(str(n), where) for n in (op.get("inputs") or [])]
         in_shapes = [self._shapes[str(n)] for n in (op.get("inputs") or [])]
         attrs = op.get("attrs") or {}
@@ -506,6 +508,20 @@ class ArmnnExecutor:
             return slot
         ann = self._ann
         kind = str(act.get("kind"))
+        if kind == "silu":  # x * sigmoid(x): Arm NN has no Swish activation
+            sig = self._activation(where, f"{name}:sig", slot, shape, {"kind": "sigmoid"})
+            layer = self._net.AddMultiplicationLayer(f"{name}:silu")
+            slot.Connect(layer.GetInputSlot(0))
+            sig.Connect(layer.GetInputSlot(1))
+            return self._set(layer, shape=shape)
+        if kind == "hardsigmoid":  # clip(alpha * x + beta, 0, 1): Linear then BoundedReLu
+            d = ann.ActivationDescriptor()
+            d.m_Function = ann.ActivationFunction_Linear
+            d.m_A, d.m_B = float(act.get("alpha", 0.2)), float(act.get("beta", 0.5))
+            layer = self._net.AddActivationLayer(d, f"{name}:linear")
+            slot.Connect(layer.GetInputSlot(0))
+            lin = self._set(layer, shape=shape)
+            return self._activation(where, f"{name}:hsig", lin, shape, {"kind": "clip", "min": 0.0, "max": 1.0})
         d = ann.ActivationDescriptor()
         if kind == "relu":
             d.m_Function = ann.ActivationFunction_ReLu
@@ -704,20 +720,17 @@ class ArmnnExecutor:
         ann = self._ann
         kind = str(attrs.get("kind"))
         adders = {"add": self._net.AddAdditionLayer, "sub": self._net.AddSubtractionLayer,
-                  "mul": self._net.AddMultiplicationLayer}
+                  "mul": self._net.AddMultiplicationLayer, "div": self._net.AddDivisionLayer,
+                  "max": self._net.AddMaximumLayer, "min": self._net.AddMinimumLayer}
         if kind not in adders:
-            raise UnsupportedOrder(f"{where}: binary kind {kind!r} (add/sub/mul only)")
-        # operands in order: the spec's constant is the second ("operand"); "lhs"/"rhs" roles are
-        # accepted too, for a constant on either side.
+            raise UnsupportedOrder(f"{where}: binary kind {kind!r} ({'/'.join(adders)} only)")
+        # operands in order: a constant "lhs" goes before the op's input, a constant "rhs" after it
         operands: list[tuple[Any, Any]] = [(s, sh) for s, sh in zip(ins, in_shapes)]
         consts = {r: self._weight(n, where) for r, n in wts.items() if n}
-        if set(consts) - {"operand", "lhs", "rhs"}:
-            raise UnsupportedOrder(f"{where}: unknown binary weight roles {sorted(consts)}")
         if "lhs" in consts:
             operands.insert(0, (None, consts["lhs"]))
-        for role in ("operand", "rhs"):
-            if role in consts:
-                operands.append((None, consts[role]))
+        if "rhs" in consts:
+            operands.append((None, consts["rhs"]))
         if len(operands) != 2:
             raise UnsupportedOrder(f"{where}: binary needs exactly two operands, got {len(operands)}")
         rank = len(out_shape)
@@ -744,6 +757,91 @@ class ArmnnExecutor:
         slots[1].Connect(layer.GetInputSlot(1))
         slot = self._set(layer, shape=out_shape)
         return self._activation(where, name, slot, out_shape, attrs.get("activation"))
+
+    def _op_conv2d_transpose(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        x_shape = in_shapes[0]
+        if len(x_shape) != 4 or len(out_shape) != 4:
+            raise UnsupportedOrder(f"{where}: conv2d_transpose needs NHWC rank-4 tensors, got {list(x_shape)}")
+        kernel = self._weight(wts["kernel"], where)
+        if kernel.ndim != 4 or kernel.shape[3] != x_shape[3] or kernel.shape[0] != out_shape[3]:
+            raise UnsupportedOrder(f"{where}: conv2d_transpose kernel {list(kernel.shape)} (OHWI) does not fit "
+                                   f"{list(x_shape)} -> {list(out_shape)}")
+        bias = self._weight(wts["bias"], where) if wts.get("bias") else None
+        sh, sw = _ints(attrs.get("strides", [1, 1]), 2, f"{where} strides")
+        pt, pl, pb, pr = _ints(attrs.get("padding", [0, 0, 0, 0]), 4, f"{where} padding")
+        oph, opw = _ints(attrs.get("output_padding", [0, 0]), 2, f"{where} output_padding")
+        # output_padding grows the output at the bottom/right: the same as cropping less there
+        if oph > pb or opw > pr:
+            raise UnsupportedOrder(f"{where}: conv2d_transpose output_padding {[oph, opw]} exceeds the bottom/right "
+                                   f"padding {[pb, pr]}; Arm NN cannot grow the output")
+        pb, pr = pb - oph, pr - opw
+        o, kh, kw, _ = kernel.shape
+        want = [(x_shape[1] - 1) * sh + kh - pt - pb, (x_shape[2] - 1) * sw + kw - pl - pr]
+        if want != list(out_shape[1:3]):
+            raise UnsupportedOrder(f"{where}: conv2d_transpose output {list(out_shape[1:3])} is not Arm NN's {want}")
+        d = ann.TransposeConvolution2dDescriptor()
+        d.m_PadTop, d.m_PadLeft, d.m_PadBottom, d.m_PadRight = pt, pl, pb, pr
+        d.m_StrideY, d.m_StrideX = sh, sw
+        d.m_BiasEnabled = bias is not None
+        d.m_DataLayout = ann.DataLayout_NHWC
+        wt = self._const(kernel)
+        layer = (self._net.AddTransposeConvolution2dLayer(d, wt, self._const(bias), name) if bias is not None
+                 else self._net.AddTransposeConvolution2dLayer(d, wt, name=name))
+        ins[0].Connect(layer.GetInputSlot(0))
+        slot = self._set(layer, shape=out_shape)
+        return self._activation(where, name, slot, out_shape, attrs.get("activation"))
+
+    def _op_prelu(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        self._need_inputs(where, ins, 1)
+        shape = tuple(in_shapes[0])
+        slope = self._weight(wts["slope"], where)
+        if slope.ndim > len(shape):
+            raise UnsupportedOrder(f"{where}: prelu slope {list(slope.shape)} has a higher rank than {list(shape)}")
+        full = (1,) * (len(shape) - slope.ndim) + tuple(slope.shape)
+        if any(s not in (1, d) for s, d in zip(full, shape)):
+            raise UnsupportedOrder(f"{where}: prelu slope {list(slope.shape)} does not broadcast to {list(shape)}")
+        alpha = self._net.AddConstantLayer(self._const(slope.reshape(full)), f"{name}:slope")
+        a_slot = self._set(alpha, shape=full)
+        layer = self._net.AddPreluLayer(name)
+        ins[0].Connect(layer.GetInputSlot(0))
+        a_slot.Connect(layer.GetInputSlot(1))
+        return self._set(layer, shape=out_shape)
+
+    def _op_strided_slice(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        shape = in_shapes[0]
+        rank = len(shape)
+        begin = _ints(attrs.get("begin"), rank, f"{where} begin")
+        end = _ints(attrs.get("end"), rank, f"{where} end")
+        strides = _ints(attrs.get("strides"), rank, f"{where} strides")
+        if any(s <= 0 for s in strides) or any(not 0 <= b <= e <= d for b, e, d in zip(begin, end, shape)):
+            raise UnsupportedOrder(f"{where}: strided_slice {begin}:{end}:{strides} is not normalised for {list(shape)}")
+        want = [-(-(e - b) // s) for b, e, s in zip(begin, end, strides)]
+        if want != list(out_shape):
+            raise UnsupportedOrder(f"{where}: strided_slice gives {want}, the order says {list(out_shape)}")
+        d = ann.StridedSliceDescriptor()
+        d.m_Begin, d.m_End, d.m_Stride = begin, end, strides
+        d.m_DataLayout = ann.DataLayout_NHWC
+        layer = self._net.AddStridedSliceLayer(d, name)
+        ins[0].Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=out_shape)
+
+    def _op_pad(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        shape = in_shapes[0]
+        rank = len(shape)
+        pads = _ints(attrs.get("pads"), 2 * rank, f"{where} pads")
+        pairs = [(pads[i], pads[rank + i]) for i in range(rank)]
+        if any(p < 0 for p in pads) or [d + a + b for d, (a, b) in zip(shape, pairs)] != list(out_shape):
+            raise UnsupportedOrder(f"{where}: pad {pads} of {list(shape)} is not {list(out_shape)}")
+        d = ann.PadDescriptor(pairs, float(attrs.get("value", 0.0)))
+        layer = self._net.AddPadLayer(d, name)
+        ins[0].Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=out_shape)
 
     def _op_concat(self, where, name, ins, in_shapes, out_shape, attrs, wts):
         ann = self._ann

@@ -1,0 +1,178 @@
+"""The order op vocabulary: every op type an order may hold, once, as data.
+
+An *order* (docs/bundle-format.md) is one delegated subgraph: tensors, weights and a list of ops.
+This table is what the compiler emits (compiler/acl.py names an op type per ACL entry), what the
+compiler renders as ONNX (compiler/order_onnx.py), what the Arm NN executor builds
+(agent/run/executors/armnn.py) and what the format doc lists: each of those dispatches on
+``OPS`` by name, and tests check that every consumer covers every entry. Adding an op type is an
+entry here plus one function in each consumer.
+
+Conventions for every op: rank-4 tensors are NHWC; ``inputs`` are tensor names in the order the
+op type lists; ``output`` is one tensor name; ``weights`` maps a role to a name in the order's
+weights table; attrs not listed here are ignored by readers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ORDER_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Attr:
+    kind: str                  # "int", "float", "bool", "ints", "floats", "str", "activation", "any"
+    doc: str
+    required: bool = False
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OpType:
+    name: str
+    doc: str
+    inputs: tuple[int, int | None] = (1, 1)       # (min, max) tensor inputs; None: any number
+    attrs: Mapping[str, Attr] = field(default_factory=dict)
+    weights: Mapping[str, str] = field(default_factory=dict)   # role -> doc; a trailing "?" = optional
+
+
+# Activation objects: null or {"kind": ..., params}. Fused into conv2d/dense/binary or an op alone.
+ACTIVATIONS: dict[str, str] = {
+    "relu": "max(x, 0)",
+    "clip": "min(max(x, min), max); relu6 is {kind: clip, min: 0, max: 6}",
+    "sigmoid": "1 / (1 + exp(-x))",
+    "tanh": "tanh(x)",
+    "leaky_relu": "x if x > 0 else alpha * x (alpha)",
+    "hardswish": "x * clip(x + 3, 0, 6) / 6",
+    "hardsigmoid": "clip(alpha * x + beta, 0, 1) (alpha, beta)",
+    "silu": "x * sigmoid(x) (SiLU / Swish-1)",
+}
+
+_ACT = Attr("activation", "null or an activation object (ACTIVATIONS)")
+_PADDING = Attr("ints", "[top, left, bottom, right]")
+
+OPS: dict[str, OpType] = {op.name: op for op in [
+    OpType("conv2d", "2-D convolution, NHWC; bias and activation fused",
+           attrs={"strides": Attr("ints", "[sh, sw]"), "padding": _PADDING, "dilation": Attr("ints", "[dh, dw]"),
+                  "groups": Attr("int", "1, or C_in for depthwise"), "depthwise": Attr("bool", "groups == C_in"),
+                  "activation": _ACT},
+           weights={"kernel": "OHWI; depthwise: [C*M, KH, KW, 1]", "bias?": "[O]"}),
+    OpType("conv2d_transpose", "2-D transposed convolution (deconvolution), NHWC; bias and activation fused",
+           attrs={"strides": Attr("ints", "[sh, sw]"), "padding": _PADDING,
+                  "output_padding": Attr("ints", "[oh, ow], added at the bottom/right"),
+                  "activation": _ACT},
+           weights={"kernel": "[O, KH, KW, I] (OHWI)", "bias?": "[O]"}),
+    OpType("dense", "fully connected: y = x @ kernel.T (+ bias) over the last axis",
+           attrs={"activation": _ACT}, weights={"kernel": "[N, K]", "bias?": "[N]"}),
+    OpType("activation", "an activation on its own", attrs={"activation": Attr("activation", "the activation", True)}),
+    OpType("prelu", "x if x >= 0 else slope * x, slope broadcast from the right (per channel in NHWC)",
+           weights={"slope": "broadcastable to the input"}),
+    OpType("pool2d", "max or average pooling, NHWC",
+           attrs={"kind": Attr("str", "max | avg", True, ("max", "avg")), "pool_size": Attr("ints", "[kh, kw]", True),
+                  "strides": Attr("ints", "[sh, sw]"), "padding": _PADDING, "ceil_mode": Attr("bool", "ONNX ceil_mode"),
+                  "count_include_pad": Attr("bool", "average counts padded cells")}),
+    OpType("global_pool2d", "max or mean over H and W, NHWC -> N,1,1,C",
+           attrs={"kind": Attr("str", "max | avg", True, ("max", "avg"))}),
+    OpType("binary", "elementwise with numpy broadcasting; a constant operand is a weight",
+           inputs=(0, 2),
+           attrs={"kind": Attr("str", "add | sub | mul | div | max | min", True,
+                               ("add", "sub", "mul", "div", "max", "min")),
+                  "activation": _ACT},
+           weights={"lhs?": "a constant left operand (the op's inputs are then the right one)",
+                    "rhs?": "a constant right operand"}),
+    OpType("concat", "join along an axis", inputs=(1, None), attrs={"axis": Attr("int", "non-negative", True)}),
+    OpType("reshape", "same data, the output's shape", attrs={"shape": Attr("ints", "the output shape", True)}),
+    OpType("transpose", "permute axes as numpy.transpose(axes)", attrs={"axes": Attr("ints", "a permutation", True)}),
+    OpType("strided_slice", "x[begin:end:stride] on every axis (normalised: 0 <= begin, end <= dim, stride > 0)",
+           attrs={"begin": Attr("ints", "per axis", True), "end": Attr("ints", "per axis", True),
+                  "strides": Attr("ints", "per axis, > 0", True)}),
+    OpType("pad", "constant padding",
+           attrs={"pads": Attr("ints", "[(before, after) per axis], flattened as ONNX orders them: "
+                                       "all befores then all afters", True),
+                  "value": Attr("float", "the fill value")}),
+    OpType("softmax", "softmax over one axis", attrs={"axis": Attr("int", "non-negative", True)}),
+    OpType("resize2d", "spatial resize, NHWC",
+           attrs={"method": Attr("str", "nearest | linear", True, ("nearest", "linear")),
+                  "coordinate_transformation_mode": Attr("str", "TVM/ONNX coordinate mode"),
+                  "rounding_method": Attr("str", "nearest: TVM's rounding name ('' = its default)"),
+                  "size": Attr("ints", "[h, w] of the output", True)}),
+]}
+
+
+def weight_roles(op_type: OpType) -> tuple[set[str], set[str]]:
+    """(required roles, optional roles) of an op type."""
+    req = {r for r in op_type.weights if not r.endswith("?")}
+    opt = {r[:-1] for r in op_type.weights if r.endswith("?")}
+    return req, opt
+
+
+def check_op(op: Any) -> str | None:
+    """None when ``op`` is well formed by this table (types, arity, attrs, weight roles), else a
+    one-line reason. Shapes are the consumers' business."""
+    if not isinstance(op, Mapping):
+        return f"op is a {type(op).__name__}, not an object"
+    t = OPS.get(op.get("type")) if isinstance(op.get("type"), str) else None
+    if t is None:
+        return f"op type {op.get('type')!r} is not in order_version {ORDER_VERSION} (known: {', '.join(OPS)})"
+    ins = op.get("inputs", [])
+    if not isinstance(ins, list) or not all(isinstance(i, str) for i in ins):
+        return f"{t.name}: inputs must be a list of tensor names"
+    weights = op.get("weights") or {}
+    if not isinstance(weights, Mapping) or not all(isinstance(v, str) for v in weights.values()):
+        return f"{t.name}: weights must map roles to weight names"
+    attrs = op.get("attrs") or {}
+    if not isinstance(attrs, Mapping):
+        return f"{t.name}: attrs must be an object"
+    for name, a in t.attrs.items():
+        if name not in attrs or attrs[name] is None:
+            if a.required:
+                return f"{t.name}: attr {name!r} is required"
+            continue
+        if r := _check_attr(t.name, name, a, attrs[name]):
+            return r
+    req, opt = weight_roles(t)
+    if missing := req - set(weights):
+        return f"{t.name}: missing weight(s) {sorted(missing)}"
+    if extra := set(weights) - req - opt:
+        return f"{t.name}: unknown weight role(s) {sorted(extra)}"
+    lo, hi = t.inputs
+    n = len(ins) + (len(weights) if t.name == "binary" else 0)
+    if t.name == "binary" and n != 2:
+        return f"binary: needs two operands (inputs + constant weights), has {n}"
+    if t.name != "binary" and (len(ins) < lo or (hi is not None and len(ins) > hi)):
+        return f"{t.name}: takes {lo}{'' if hi == lo else '+' if hi is None else f'..{hi}'} input(s), has {len(ins)}"
+    if not isinstance(op.get("output"), str):
+        return f"{t.name}: output must be one tensor name"
+    return None
+
+
+def _check_attr(op: str, name: str, a: Attr, v: Any) -> str | None:
+    ok = {
+        "int": lambda: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda: isinstance(v, bool),
+        "str": lambda: isinstance(v, str),
+        "ints": lambda: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+        "floats": lambda: isinstance(v, list) and all(isinstance(x, (int, float)) for x in v),
+        "activation": lambda: isinstance(v, Mapping) and v.get("kind") in ACTIVATIONS,
+        "any": lambda: True,
+    }[a.kind]()
+    if not ok:
+        return f"{op}: attr {name!r} = {v!r} is not a valid {a.kind}"
+    if a.choices and v not in a.choices:
+        return f"{op}: attr {name!r} = {v!r} is not one of {', '.join(a.choices)}"
+    return None
+
+
+def markdown_table() -> str:
+    """The op types as the format doc shows them (docs/bundle-format.md is tested against it)."""
+    rows = ["| type | what | attrs | weights |", "|---|---|---|---|"]
+    for t in OPS.values():
+        attrs = ", ".join(f"{n}{'' if a.required else '?'}" for n, a in t.attrs.items()) or "-"
+        weights = ", ".join(f"{r} ({d})" for r, d in t.weights.items()) or "-"
+        rows.append(f"| `{t.name}` | {t.doc} | {attrs} | {weights} |")
+    rows.append("")
+    rows.append("Activation kinds: " + "; ".join(f"`{k}` {d}" for k, d in ACTIVATIONS.items()) + ".")
+    return "\n".join(rows)
