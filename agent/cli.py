@@ -7,7 +7,7 @@ Exit codes (one line on stderr for every failure, "tandoor-agent: error: <reason
 1     unexpected internal error
 2     usage: bad option, unreadable --input, --save-outputs not a directory
 3     runtime: no executor can run a subgraph, input of the wrong shape, inference failed
-10-19 the bundle was refused before anything in it was used (agent/hmod.py's table:
+10-19 the bundle was refused before anything in it was used (contract/hmod.py's table:
       10 not a bundle/truncated, 11 unsafe member, 12 hash mismatch, 13 missing member,
       14 bad signature, 15 unsigned, 16 format version, 17 no lib for this arch,
       18 extra member, 19 key file)
@@ -25,10 +25,14 @@ from pathlib import Path
 import click
 import numpy as np
 
-from . import hmod, service
+from tandoor_contract import hmod
+from tandoor_contract.errors import TandoorError
+
+from .run import executors
+from .serve import service
 
 
-class UsageError_(Exception):
+class UsageError_(TandoorError):
     exit_code = 2
 
 
@@ -59,7 +63,7 @@ def main(ctx: click.Context, verbose: bool, config_path: Path | None) -> None:
 
 
 def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
-    from . import preprocess
+    from .serve import preprocess
 
     m = b.manifest
     if input_path is None:
@@ -81,7 +85,7 @@ def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
 @click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--input", "input_path", type=click.Path(dir_okay=False, path_type=Path),
               help="An image (PNG/JPEG) or a .npy array. Default: the bundle's first golden input.")
-@click.option("--delegate", type=click.Choice(["auto", "armnn", "onnxruntime", "tvm"]), default="auto", show_default=True,
+@click.option("--delegate", type=click.Choice(executors.CHOICES), default="auto", show_default=True,
               help="Executor tried first for delegated subgraphs (auto: armnn > onnxruntime > tvm); "
                    "one that cannot build a subgraph falls back to the next, with the reason logged.")
 @click.option("--backends", default="CpuAcc,GpuAcc,CpuRef", show_default=True, help="Arm NN backend preference.")
@@ -118,7 +122,7 @@ def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, as_
 
 
 def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) -> dict:
-    from . import preprocess
+    from .serve import preprocess
 
     if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
         raise UsageError_(f"--save-outputs {save_dir} is not a directory")
@@ -127,7 +131,7 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
         m = b.manifest
         inputs = _load_inputs(b, input_path)
         labels = b.read(m["labels"]).decode("utf-8", "replace").splitlines() if m.get("labels") else None
-        from .runtime import HybridModule, check_inputs
+        from .run.runtime import HybridModule, check_inputs
 
         check_inputs(m, inputs)  # before any executor is built
 
@@ -165,13 +169,13 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
 @click.option("--runs", default=20, show_default=True, type=click.IntRange(1),
               help="Timed runs per measurement (fewer for calls > 0.25 s).")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(0), help="Warm-up runs, not timed.")
-@click.option("--executor", "executors", multiple=True, type=click.Choice(["armnn", "onnxruntime", "tvm"]),
+@click.option("--executor", "executors", multiple=True, type=click.Choice(executors.NAMES),
               help="Executors to measure (repeatable). Default: all; the unavailable ones are reported.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
 def profile(bundle, out, runs, warmup, executors, as_json):
     """Measure every subgraph of BUNDLE on every executor here, on the board, for the compiler's
     cost model (the same measurement as the host's `tandoor profile`, without the compiler)."""
-    from . import profile as prof
+    from .run import profile as prof
 
     if out is not None and out.is_dir():
         _fail(UsageError_(f"-o {out} is a directory; give a file name"))
@@ -210,7 +214,7 @@ def profile(bundle, out, runs, warmup, executors, as_json):
         click.echo(f"profile written to {out}; on the host: tandoor compile MODEL.onnx --profile {out.name} ...")
 
 
-main.add_command(service.serve)  # tandoor-agent serve --config FILE (the loop: agent/service.py)
+main.add_command(service.serve)  # tandoor-agent serve --config FILE (the loop: agent/serve/service.py)
 
 if __name__ == "__main__":
     main()

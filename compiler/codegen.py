@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from tandoor_agent import hmod
+from tandoor_contract import hmod
 
 from . import acl
 from .errors import CompileError

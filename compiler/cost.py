@@ -29,6 +29,7 @@ import tvm
 from tvm import relax
 
 from . import acl
+from tandoor_contract import orders
 
 # --- FLOPs and bytes per op ----------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ RATES: dict[str, dict[str, Rate]] = {
 }
 COPY_GBPS = {"x86_64": 8.0, "aarch64": 4.0}     # boundary tensors written and read back once
 DELEGATE_US = 2.0                               # the VM's call_dps_packed into Python + dlpack views
-EXECUTORS = ("armnn", "onnxruntime")            # what a subgraph can be delegated to
+EXECUTORS = tuple(e for e in orders.EXECUTORS if e != orders.FALLBACK)   # what a subgraph can be delegated to
 
 
 def arch_of(targets) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from tandoor_agent import hmod
+from tandoor_contract import hmod
 from tandoor_contract import orders
 
 OPSET = 17

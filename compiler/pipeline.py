@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_agent import hmod
+from tandoor_contract import hmod
 
 from . import cost, frontend, importer, targets as targets_mod
 from .errors import CompileError

@@ -1,5 +1,5 @@
 """Profiles on the compiler side: check one against the model being compiled, then hand its
-measured numbers to the cost policy (compiler/cost.py). Measuring lives in tandoor_agent.profile
+measured numbers to the cost policy (compiler/cost.py). Measuring lives in tandoor_agent.run.profile
 so that a board without the compiler can run it.
 
 A stale profile silently used is a classic failure (a tuning cache from another model, shape or
@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandoor_agent import profile as agent_profile
+from tandoor_contract import profile as facts
 
 from .errors import CompileError
 
@@ -99,9 +99,9 @@ def read(path: str | Path) -> Measured:
         raise CompileError(f"--profile {path}: not a JSON profile (tandoor profile writes them)") from None
     if not isinstance(data, dict) or not isinstance(data.get("key"), dict) or not isinstance(data.get("subgraphs"), dict):
         raise CompileError(f"--profile {path}: not a tandoor profile (no key or subgraphs)")
-    if data.get("profile_version") != agent_profile.PROFILE_VERSION:
+    if data.get("profile_version") != facts.PROFILE_VERSION:
         raise CompileError(f"--profile {path}: profile version {data.get('profile_version')} is not "
-                           f"{agent_profile.PROFILE_VERSION}; measure it again with this tandoor")
+                           f"{facts.PROFILE_VERSION}; measure it again with this tandoor")
     return Measured(path, data, hashlib.sha256(raw).hexdigest())
 
 
@@ -123,7 +123,7 @@ def check_key(measured: Measured, source_sha256: str, inputs: list[dict], tvm_ve
     if libs.get("tvm") != tvm_version:
         raise ProfileMismatch(f"profile {name} does not match: library tvm differs (profile {libs.get('tvm')}, "
                               f"this compiler {tvm_version})")
-    here = here if here is not None else {"board": agent_profile.board_model(), "libraries": agent_profile.library_versions()}
+    here = here if here is not None else {"board": facts.board_model(), "libraries": facts.library_versions()}
     if k.get("board") == here["board"]:
         for lib in ("onnxruntime", "armnn"):
             if libs.get(lib) != here["libraries"].get(lib):

@@ -9,7 +9,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from tandoor_agent import hmod
+from tandoor_contract import hmod
 
 JSON_KEYS = ("format_version", "model", "targets", "inputs", "outputs", "ops_total", "ops_delegated",
              "delegation_ratio", "predicted_speedup")

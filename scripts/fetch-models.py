@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 try:
-    from tandoor_compiler import zoo
+    from tandoor_zoo import models as zoo
 except ImportError:  # run from a checkout without `pip install -e`
     _spec = importlib.util.spec_from_file_location(
         "tandoor_compiler_zoo", Path(__file__).resolve().parent.parent / "compiler" / "zoo.py")

@@ -4,13 +4,13 @@
     .venv/bin/python scripts/fleet-sim.py --agents 100 --processes 4 --canary 10 --docs
 
 Each simulated agent is a real paho MQTT client running the real device side of the update
-protocol (agent/updater.py: job offer, chunk checks, need, acks) with its own SlotStore in a temp
+protocol (agent/update/jobs.py: job offer, chunk checks, need, acks) with its own SlotStore in a temp
 directory (install verifies the signature, hashes, format and arch, moves the bundle into the
 inactive slot, commit/rollback for real). What is simulated is only the model: the health gate
 does no inference (it sleeps ``--gate-s`` and reports a fixed p95), and the "hot swap" republishes
 the retained status with the new model. The agents run in ``--processes`` worker processes.
 
-The host side is the real compiler/fleet.py (what `tandoor fleet deploy` runs): canaries, then
+The host side is the real fleet/rollout.py (what `tandoor fleet deploy` runs): canaries, then
 the rest in waves. Recorded: time to full rollout, messages and bytes per device (both ways), the
 broker's $SYS counters (messages and bytes received/sent) over the rollout, and the mosquitto
 process' CPU (psutil). ``--docs`` appends the numbers to docs/benchmarks.md ("Fleet rollout").
@@ -44,8 +44,8 @@ class SimDevice:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
-        from tandoor_agent.slots import SlotStore
-        from tandoor_agent.updater import Updater
+        from tandoor_agent.update.slots import SlotStore
+        from tandoor_agent.update.jobs import Updater
 
         self.dev, self.host, self.port = dev, host, port
         self.base = f"{prefix}/{dev}"
@@ -88,7 +88,7 @@ class SimDevice:
         self.updater.on_connected()
 
     def _gate(self, store, keys, latency_budget_ms=None, frames=20, delegate=None, **kw):
-        from tandoor_agent.health import HealthReport
+        from tandoor_agent.update.health import HealthReport
 
         time.sleep(self.gate_s)
         if self.fail_gate:
@@ -182,8 +182,8 @@ class SimFleet:
 # -------------------------------------------------------------------------------- host side
 def make_bundles(d: Path) -> dict[str, Path]:
     """A small real bundle (zoo dynamic_batch, 1x3x32x32, host + aarch64) as v1 and v2, signed."""
-    from tandoor_agent import hmod
-    from tandoor_compiler import zoo
+    from tandoor_contract import hmod
+    from tandoor_zoo import models as zoo
 
     d.mkdir(parents=True, exist_ok=True)
     hmod.generate_keypair(d / "k.pem", d / "k.pub.pem")
@@ -266,9 +266,9 @@ class SysWatch:
 
 
 def run_sim(args) -> dict:
-    from mosquitto import Broker
+    from support.mosquitto import Broker
 
-    from tandoor_compiler.fleet import Fleet
+    from tandoor_fleet.rollout import Fleet
 
     work = Path(tempfile.mkdtemp(prefix="tnd-fleetsim-"))
     try:
@@ -350,11 +350,11 @@ HEADER = """
 
 `scripts/fleet-sim.py` starts a local mosquitto 2.0 ($SYS every 1 s) and N simulated agents in a few
 processes, each a real paho MQTT 5 client running the real device side of the update protocol
-(`agent/updater.py`: offer, per-chunk sha256, need, acks) with its own `SlotStore` in a temp dir
+(`agent/update/jobs.py`: offer, per-chunk sha256, need, acks) with its own `SlotStore` in a temp dir
 (install verifies signature, hashes, format and arch, moves the bundle into the inactive slot, commits
 for real). Only the model is simulated: the health gate sleeps `--gate-s` instead of running inference
 (the real gate takes ~7-10 s for this model in its child process on this box). The host is the real
-`compiler/fleet.py` (what `tandoor fleet deploy` runs): canaries, their final acks, then the rest.
+`fleet/rollout.py` (what `tandoor fleet deploy` runs): canaries, their final acks, then the rest.
 Bundle: the zoo's dynamic_batch (1x3x32x32, host + aarch64 libs), compiled and signed by the script.
 Everything (agents, host, broker, other jobs) shares 2 vCPUs. Per-device numbers are what the host
 counted on that device's topics; broker numbers are $SYS deltas over the rollout (so they include the

@@ -1,48 +1,12 @@
-"""Shared fixtures: real models from the zoo, compiled once per session by the real CLI."""
+"""Shared fixtures; the helpers themselves are the ``support`` package (tests/support/)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: int = 1200) -> subprocess.CompletedProcess:
-    """Run `tandoor ...` as a user would, in a subprocess."""
-    cmd = [str(BIN / args[0]), *args[1:]]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if check and res.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {res.returncode}\nstdout:{res.stdout}\nstderr:{res.stderr}")
-    return res
 
 
 @pytest.fixture(scope="session")
 def bundles_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bundles")
-
-
-_compiled: dict[str, Path] = {}
-
-
-def compiled(name: str, model: Path, out_dir: Path, *extra: str) -> Path:
-    """Compile `model` for host + aarch64 once per session."""
-    key = name + "|" + " ".join(extra)
-    if key not in _compiled:
-        out = out_dir / f"{name}{abs(hash(key)) % 10000}.hmod"
-        run_cli("tandoor", "compile", str(model), "-o", str(out), "--target", "aarch64", "-q", *extra, check=True)
-        _compiled[key] = out
-    return _compiled[key]
-
-
-def manifest_of(path: Path) -> dict:
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        return json.loads(z.read("manifest.json"))

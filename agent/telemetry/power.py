@@ -382,7 +382,7 @@ BOARD_MODELS: list[tuple[str, str, float, float]] = [
 GENERIC_BOARD = ("generic", "generic board", 2.0, 8.0)
 
 
-def board_model(root: str | Path = "/") -> tuple[str, str]:
+def device_tree_ids(root: str | Path = "/") -> tuple[str, str]:
     """(model, compatible) from the device tree, either path; empty strings when absent."""
     root = Path(root)
     for base in (root / "proc" / "device-tree", root / "sys" / "firmware" / "devicetree" / "base"):
@@ -418,7 +418,7 @@ class EstimatedPower(_Reader):
     def __init__(self, root: str | Path = "/", cpu_load: float | Callable[[], float] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(root, clock)
-        self.model, self.compatible = board_model(self.root)
+        self.model, self.compatible = device_tree_ids(self.root)
         haystack = f"{self.model} {self.compatible}".lower()
         key, board, idle, peak = GENERIC_BOARD
         for sub, name, i, m in BOARD_MODELS:

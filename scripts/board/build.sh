@@ -207,10 +207,12 @@ smoke_test() {  # smoke_test ROOT [quick]: every agent module imports (packaging
   say "checking the board: arch, agent modules, Arm NN backends${2:+ (quick)}"
   out="$(in_root "$root" python -c '
 import importlib, pathlib, platform, sys
-# every module of the checkout'"'"'s agent/ must import from the installed package
-src = pathlib.Path("'"$SRC_IN_BOARD"'/agent")
-mods = sorted(".".join(("tandoor_agent",) + p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
-              for p in src.rglob("*.py"))
+# every module of the checkout'"'"'s agent/ and contract/ must import from the installed package
+mods = []
+for pkg, folder in (("tandoor_agent", "agent"), ("tandoor_contract", "contract")):
+    src = pathlib.Path("'"$SRC_IN_BOARD"'") / folder
+    mods += sorted(".".join((pkg,) + p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+                   for p in src.rglob("*.py"))
 bad = []
 for m in mods:
     try:
@@ -220,7 +222,7 @@ for m in mods:
 if bad:
     sys.exit("agent modules that do not import from the installed package (a subpackage missing "
              "from pyproject.toml [tool.setuptools] packages?):\n  " + "\n  ".join(bad))
-from tandoor_agent.executors import armnn
+from tandoor_agent.run.executors import armnn
 ok, why = armnn.available()
 line = [platform.machine(), f"{len(mods)} agent modules", why]
 if sys.argv[1] != "quick":

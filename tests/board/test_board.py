@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, compiled, manifest_of, run_cli
-from tandoor_agent import hmod
-from tandoor_compiler import zoo
+from support.cli import ROOT, compiled, manifest_of, run_cli
+from tandoor_contract import hmod
+from tandoor_zoo import models as zoo
 
 HERE = Path(__file__).resolve().parent
 RUN_SH = ROOT / "scripts" / "board" / "run.sh"

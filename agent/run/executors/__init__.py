@@ -1,0 +1,126 @@
+"""Executors for delegated orders (docs/bundle-format.md): each builds one order and runs it.
+
+``REGISTRY`` is the one list of them; the CLIs' choices (``CHOICES``), the auto mode's order of
+preference and the profile's columns all come from it. An executor module is imported only when
+its executor is built or asked whether it is available, so naming them costs nothing.
+
+A new executor: a module here with ``available() -> (bool, why)`` and a class with
+``run_into(inputs, outputs)``/``close()``, plus one ``Kind`` entry below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandoor_contract import hmod, orders
+from tandoor_contract.errors import TandoorError
+
+
+class Unavailable(TandoorError):
+    """This executor cannot build this order here; the message says why (the caller falls back)."""
+
+    exit_code = 3
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    bundle: hmod.Bundle
+    symbol: str
+    order: dict
+    part: dict                      # the order's manifest partition entry
+    target: str                     # the manifest target whose libs this machine runs
+    workdir: Path
+    armnn_backends: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    doc: str
+    available: Callable[[], tuple[bool, str]]
+    build: Callable[[BuildContext], Any]
+
+
+def _armnn_available() -> tuple[bool, str]:
+    from . import armnn
+
+    return armnn.available()
+
+
+def _build_armnn(ctx: BuildContext):
+    from . import armnn
+
+    ok, why = armnn.available()
+    if not ok:
+        raise Unavailable(why)
+    return armnn.ArmnnExecutor(ctx.order, ctx.bundle.weights(ctx.symbol), preferred=ctx.armnn_backends)
+
+
+def _ort_available() -> tuple[bool, str]:
+    from . import ort
+
+    return ort.available()
+
+
+def _build_ort(ctx: BuildContext):
+    from . import ort
+
+    ok, why = ort.available()
+    if not ok:
+        raise Unavailable(why)
+    # external data of the ONNX rendering: file name it uses -> bundle member holding it
+    external = {name: ctx.bundle.read(member) for name, member in (ctx.part.get("onnx_external") or {}).items()}
+    return ort.OrtExecutor(ctx.order, ctx.bundle.read(ctx.part.get("onnx") or f"orders/{ctx.symbol}.onnx"),
+                           external=external)
+
+
+def _tvm_available() -> tuple[bool, str]:
+    try:
+        import tvm  # noqa: F401
+    except Exception as e:
+        return False, f"TVM's runtime is not importable ({type(e).__name__}: {e})"
+    return True, "TVM runtime"
+
+
+def _build_tvm(ctx: BuildContext):
+    from .tvm_exec import TvmExecutor, fallback_params
+
+    member = (ctx.bundle.manifest["targets"][ctx.target].get("fallback") or {}).get(ctx.symbol)
+    if not member:
+        raise Unavailable(f"the bundle has no TVM fallback for {ctx.symbol} on {ctx.target}")
+    path = ctx.workdir / member.replace("/", "_")
+    path.write_bytes(ctx.bundle.read(member))
+    return TvmExecutor(ctx.order, path, fallback_params(ctx.bundle, ctx.part))
+
+
+REGISTRY: dict[str, Kind] = {k.name: k for k in [
+    Kind("armnn", "Arm NN layer by layer: CpuAcc = ACL NEON, GpuAcc = ACL OpenCL, CpuRef = reference",
+         _armnn_available, _build_armnn),
+    Kind("onnxruntime", "the order's ONNX rendering in onnxruntime's CPU provider", _ort_available, _build_ort),
+    Kind("tvm", "the order compiled by TVM alone (in the bundle): runs wherever the bundle runs",
+         _tvm_available, _build_tvm),
+]}
+assert tuple(REGISTRY) == orders.EXECUTORS, "the registry and the contract's executor names differ"
+
+NAMES: tuple[str, ...] = tuple(REGISTRY)
+AUTO = "auto"
+CHOICES: tuple[str, ...] = (AUTO, *NAMES)
+
+
+def build(kind: str, ctx: BuildContext):
+    try:
+        k = REGISTRY[kind]
+    except KeyError:
+        raise Unavailable(f"unknown executor {kind!r}; choose from {', '.join(CHOICES)}") from None
+    return k.build(ctx)
+
+
+def auto_order(acl_here: bool) -> list[str]:
+    """auto's order of preference: armnn first only where it brings ACL (CpuAcc/GpuAcc); its
+    CpuRef backend is a reference implementation, seconds per CNN inference."""
+    if acl_here:
+        return list(NAMES)
+    return ["onnxruntime", "armnn", orders.FALLBACK]

@@ -1,0 +1,961 @@
+"""Run one order (docs/bundle-format.md) through Arm NN (pyarmnn 20.08).
+
+The order is built layer by layer into an ``INetwork`` (no parser), optimised for the preferred
+backends that this machine actually has (CpuAcc = ACL NEON, GpuAcc = ACL OpenCL, CpuRef =
+reference), and loaded once into an ``IRuntime``. Anything that cannot be built exactly raises
+:class:`UnsupportedOrder` with a one-line reason, so that the caller can fall back to another
+executor.
+
+Arm NN 20.08 facts this module depends on (all checked numerically by
+tests/test_armnn_executor.py on CpuRef):
+
+* NHWC ``Convolution2d`` takes its kernel as OHWI (our layout, used as is).
+* ``DepthwiseConvolution2d`` takes its kernel as [M, C, KH, KW] whatever the data layout; ours is
+  [C*M, KH, KW, 1] with output channel ``c*M + m``, so it is reshaped to [C, M, KH, KW] and the
+  first two axes are swapped.
+* ``Permute``'s ``m_DimMappings[i]`` is where *source* axis i goes, the inverse of numpy's
+  ``transpose(axes)`` (``axes[i]`` is the source of destination axis i): we pass argsort(axes).
+  This pyarmnn has no Transpose layer.
+* ``ActivationFunction_TanH`` computes ``m_A * tanh(m_B * x)`` (both default to 0!).
+* This pyarmnn does not name ``ActivationFunction_HardSwish``, but libarmnn 20.08 (ABI 22)
+  implements it as enum value 11; it is used only for that ABI.
+* ``Pooling2d`` with ``OutputShapeRounding_Ceiling`` has no "last window must start inside the
+  input or the left padding" rule (ONNX/PyTorch ceil_mode); such orders are refused.
+* ``Resize`` follows TensorFlow: nearest with half-pixel centres is ``floor((y + 0.5) * in/out)``
+  and align-corners nearest rounds half away from zero. Each resize is checked by computing both
+  index/weight maps, so only the coordinate modes that really coincide are accepted.
+* Softmax is built over the last axis (``m_Axis = -1``, the only axis ACL 20.08 honours); other
+  axes are permuted to the end and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tandoor_contract import orders
+from tandoor_contract.errors import TandoorError
+
+__all__ = ["UnsupportedOrder", "ArmnnExecutor", "available", "backends"]
+
+DEFAULT_PREFERRED = ("CpuAcc", "GpuAcc", "CpuRef")
+
+# libarmnn 20.08 (ABI 22) defines ActivationFunction::HardSwish = 11 (after Elu = 10), but its
+# pyarmnn bindings do not export the name. Only trusted for that ABI (checked by the tests).
+_HARDSWISH_BY_ABI = {"22": 11}
+
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+class UnsupportedOrder(TandoorError):
+    """The order (or this machine's Arm NN) cannot be run by this executor; the message says why."""
+
+    exit_code = 3
+
+
+# --- pyarmnn import and the shared runtime ----------------------------------------------------
+
+_ann: Any = None
+_raw: Any = None  # pyarmnn's SWIG classes: Tensor/ConstTensor over a caller's buffer (no copy)
+_import_error: str | None = None
+_runtime_obj: Any = None
+_lock = threading.Lock()
+
+
+def _pyarmnn():
+    """Import pyarmnn once (quietly: it logs a warning per missing parser) or raise ImportError."""
+    global _ann, _raw, _import_error
+    if _ann is not None:
+        return _ann
+    if _import_error is not None:
+        raise ImportError(_import_error)
+    log = logging.getLogger("pyarmnn")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import pyarmnn as ann
+    except Exception as e:  # ImportError, or OSError from a missing libarmnn
+        _import_error = f"pyarmnn is not importable ({type(e).__name__}: {' '.join(str(e).split())})"
+        raise ImportError(_import_error) from None
+    finally:
+        log.setLevel(level)
+    try:
+        from pyarmnn._generated import pyarmnn as raw
+        _raw = raw if hasattr(raw, "Tensor") and hasattr(raw, "ConstTensor") else None
+    except Exception:
+        _raw = None
+    _ann = ann
+    return ann
+
+
+def _runtime():
+    """One IRuntime per process, kept alive here (GpuAcc makes one OpenCL context per runtime)."""
+    global _runtime_obj
+    with _lock:
+        if _runtime_obj is None:
+            ann = _pyarmnn()
+            _runtime_obj = ann.IRuntime(ann.CreationOptions())
+        return _runtime_obj
+
+
+def _abi() -> str:
+    return str(getattr(_pyarmnn(), "ARMNN_VERSION", "?")).split(".")[0]
+
+
+def available() -> tuple[bool, str]:
+    """(True, version) when pyarmnn imports and has at least one backend, else (False, why)."""
+    try:
+        ann = _pyarmnn()
+    except ImportError as e:
+        return False, str(e)
+    try:
+        have = backends()
+    except Exception as e:
+        return False, f"Arm NN runtime failed to start ({type(e).__name__}: {e})"
+    version = getattr(ann, "ARMNN_VERSION", "?")
+    if not have:
+        return False, f"pyarmnn (Arm NN ABI {version}) has no backends; install libarmnn-cpuref-backend22"
+    return True, f"pyarmnn (Arm NN ABI {version}), backends {', '.join(have)}"
+
+
+def backends() -> list[str]:
+    """Backends this machine's Arm NN runtime actually has, e.g. ['CpuAcc', 'CpuRef']."""
+    try:
+        rt = _runtime()
+    except ImportError:
+        return []
+    return [str(b) for b in rt.GetDeviceSpec().GetSupportedBackends()]
+
+
+# --- small helpers ----------------------------------------------------------------------------
+
+def _ints(v: Any, n: int, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in v]
+    except (TypeError, ValueError):
+        raise UnsupportedOrder(f"{what} must be a list of {n} integers, not {v!r}") from None
+    if len(out) != n:
+        raise UnsupportedOrder(f"{what} must have {n} entries, not {v!r}")
+    return out
+
+
+def _shape_of(spec: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(spec, Mapping):
+        raise UnsupportedOrder(f"{what}: expected {{shape, dtype}}, got {spec!r}")
+    dtype = str(spec.get("dtype"))
+    if dtype != "float32":
+        raise UnsupportedOrder(f"{what} has dtype {dtype}: the Arm NN executor is float32-only")
+    try:
+        shape = tuple(int(d) for d in spec.get("shape"))
+    except (TypeError, ValueError):
+        raise UnsupportedOrder(f"{what} has a non-static shape {spec.get('shape')!r}") from None
+    if not 1 <= len(shape) <= 5:
+        raise UnsupportedOrder(f"{what} has rank {len(shape)}: Arm NN tensors have rank 1..5")
+    if any(d <= 0 for d in shape):
+        raise UnsupportedOrder(f"{what} has shape {list(shape)}: empty or negative dimensions")
+    return shape
+
+
+# Resize: ONNX/TVM coordinate semantics vs Arm NN's, compared as 1-D index or weight maps.
+
+def _onnx_coords(n_in: int, n_out: int, mode: str) -> np.ndarray | None:
+    y = np.arange(n_out, dtype=np.float64)
+    scale = n_out / n_in
+    if mode in ("half_pixel", "half_pixel_symmetric"):  # identical when sizes (not scales) are given
+        x = (y + 0.5) / scale - 0.5
+    elif mode == "pytorch_half_pixel":
+        x = (y + 0.5) / scale - 0.5 if n_out > 1 else np.zeros(n_out)
+    elif mode == "align_corners":
+        x = y * (n_in - 1) / (n_out - 1) if n_out > 1 else np.zeros(n_out)
+    elif mode == "asymmetric":
+        x = y / scale
+    elif mode == "tf_half_pixel_for_nn":
+        x = (y + 0.5) / scale
+    else:  # tf_crop_and_resize needs an roi, which the order does not carry
+        return None
+    return np.round(x, 9)  # make exact ties exact despite float64 noise
+
+
+def _onnx_nearest(n_in: int, n_out: int, mode: str, rounding: str) -> np.ndarray | None:
+    x = _onnx_coords(n_in, n_out, mode)
+    if x is None:
+        return None
+    if rounding == "":  # TVM's default for nearest_neighbor
+        rounding = "round" if mode == "align_corners" else "floor"
+    if rounding == "round_prefer_floor":
+        i = np.ceil(x - 0.5)
+    elif rounding == "round_prefer_ceil":
+        i = np.floor(x + 0.5)
+    elif rounding == "floor":
+        i = np.floor(x)
+    elif rounding == "ceil":
+        i = np.ceil(x)
+    elif rounding == "round":  # half away from zero
+        i = np.sign(x) * np.floor(np.abs(x) + 0.5)
+    else:
+        return None
+    return np.clip(i, 0, n_in - 1).astype(np.int64)
+
+
+def _onnx_linear(n_in: int, n_out: int, mode: str) -> np.ndarray | None:
+    x = _onnx_coords(n_in, n_out, mode)
+    if x is None:
+        return None
+    x = np.clip(x, 0, n_in - 1)
+    x0 = np.floor(x).astype(np.int64)
+    x1 = np.minimum(x0 + 1, n_in - 1)
+    w = x - x0
+    m = np.zeros((n_out, n_in))
+    np.add.at(m, (np.arange(n_out), x0), 1 - w)
+    np.add.at(m, (np.arange(n_out), x1), w)
+    return m
+
+
+def _armnn_scale(n_in: int, n_out: int, align_corners: bool) -> np.float32:
+    f = np.float32
+    if align_corners and n_out > 1:
+        return f(n_in - 1) / f(n_out - 1)
+    return f(n_in) / f(n_out)
+
+
+def _armnn_nearest(n_in: int, n_out: int, ac: bool, hp: bool) -> np.ndarray:
+    s = _armnn_scale(n_in, n_out, ac)
+    p = np.arange(n_out, dtype=np.float32)
+    v = ((p + np.float32(0.5)) * s) if hp else (p * s)
+    i = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5)) if ac else np.floor(v)  # roundf / floorf
+    return np.clip(i, 0, n_in - 1).astype(np.int64)
+
+
+def _armnn_linear(n_in: int, n_out: int, ac: bool, hp: bool) -> np.ndarray:
+    s = _armnn_scale(n_in, n_out, ac)
+    p = np.arange(n_out, dtype=np.float32)
+    v = ((p + np.float32(0.5)) * s - np.float32(0.5)) if hp else (p * s)
+    fv = np.floor(v)
+    x0 = np.maximum(fv, 0).astype(np.int64)
+    w = (v - fv).astype(np.float64)
+    if hp:
+        x1 = np.minimum(np.maximum(np.ceil(v), 0).astype(np.int64), n_in - 1)
+    else:
+        x1 = np.minimum(x0 + 1, n_in - 1)
+    m = np.zeros((n_out, n_in))
+    np.add.at(m, (np.arange(n_out), np.minimum(x0, n_in - 1)), 1 - w)
+    np.add.at(m, (np.arange(n_out), x1), w)
+    return m
+
+
+def resize_flags(method: str, mode: str, rounding: str, in_hw: Sequence[int],
+                 out_hw: Sequence[int]) -> tuple[bool, bool] | None:
+    """(align_corners, half_pixel_centers) that make Arm NN's resize equal to the ONNX/TVM one
+    for these sizes, or None if no setting does."""
+    first = {"align_corners": (True, False), "asymmetric": (False, False)}.get(mode, (False, True))
+    candidates = [first] + [c for c in ((False, False), (False, True), (True, False)) if c != first]
+    for ac, hp in candidates:
+        ok = True
+        for n_in, n_out in zip(in_hw, out_hw):
+            if method == "nearest":
+                want = _onnx_nearest(n_in, n_out, mode, rounding)
+                ok = want is not None and np.array_equal(want, _armnn_nearest(n_in, n_out, ac, hp))
+            else:
+                want = _onnx_linear(n_in, n_out, mode)
+                ok = want is not None and np.allclose(want, _armnn_linear(n_in, n_out, ac, hp), atol=1e-5)
+            if not ok:
+                break
+        if ok:
+            return ac, hp
+    return None
+
+
+# --- the executor -----------------------------------------------------------------------------
+
+class ArmnnExecutor:
+    """One order built into an Arm NN network and loaded into the (shared) runtime.
+
+    ``backend`` is the backend that runs most of the order's layers on this machine (asking for
+    CpuAcc where only CpuRef exists silently falls back; this reports what really runs),
+    ``layer_backends`` lists (layer name, layer type, backend) for every layer.
+    """
+
+    def __init__(self, order: Mapping[str, Any], weights: bytes | bytearray | memoryview,
+                 preferred: Sequence[str] | str = DEFAULT_PREFERRED):
+        try:
+            self._ann = ann = _pyarmnn()
+        except ImportError as e:
+            raise UnsupportedOrder(str(e)) from None
+        if isinstance(preferred, str):
+            preferred = (preferred,)
+        self.symbol = str(order.get("symbol", "?"))
+        self.last_run_ns = 0  # time inside EnqueueWorkload during the last run_into
+        self.last_zero_copy = False  # whether Arm NN wrote every output into the caller's buffer
+        self._net_id: int | None = None
+        self._keep: list[Any] = []  # numpy arrays behind every ConstTensor
+        self._slots: dict[str, Any] = {}
+        self._blob = weights if weights is not None else b""
+        self._weights_table = order.get("weights") or {}
+        self._weights_cache: dict[str, np.ndarray] = {}
+
+        tensors = order.get("tensors")
+        if not isinstance(tensors, Mapping):
+            raise UnsupportedOrder(f"order {self.symbol} has no 'tensors' table")
+        self._shapes = {str(n): _shape_of(spec, f"tensor {n!r}") for n, spec in tensors.items()}
+        ins, outs = order.get("inputs") or [], order.get("outputs") or []
+        if not ins or not outs:
+            raise UnsupportedOrder(f"order {self.symbol} has no inputs or no outputs")
+        self.input_names = [str(s["name"]) for s in ins]
+        self.output_names = [str(s["name"]) for s in outs]
+        for kind, specs in (("input", ins), ("output", outs)):
+            for s in specs:
+                shape = _shape_of(s, f"{kind} {s.get('name')!r}")
+                if self._shapes.get(str(s["name"])) != shape:
+                    raise UnsupportedOrder(f"{kind} {s['name']!r} shape {list(shape)} disagrees with the tensors table")
+        for name, spec in self._weights_table.items():
+            _shape_of(spec, f"weight {name!r}")
+        self.input_shapes = [self._shapes[n] for n in self.input_names]
+        self.output_shapes = [self._shapes[n] for n in self.output_names]
+
+        # build
+        self._net = net = ann.INetwork()
+        for i, name in enumerate(self.input_names):
+            layer = net.AddInputLayer(i, f"input:{name}")
+            self._set(layer, name)
+            self._slots[name] = layer.GetOutputSlot(0)
+        for k, op in enumerate(order.get("ops") or []):
+            self._add_op(k, op)
+        for j, name in enumerate(self.output_names):
+            layer = net.AddOutputLayer(j, f"output:{name}")
+            self._slot(name, "the outputs").Connect(layer.GetInputSlot(0))
+
+        # optimise for what exists, load
+        rt = self._runtime = _runtime()
+        have = [str(b) for b in rt.GetDeviceSpec().GetSupportedBackends()]
+        self.requested_backends = [b for b in preferred if b in have]
+        if not self.requested_backends:
+            raise UnsupportedOrder(f"none of the preferred Arm NN backends {list(preferred)} exists here "
+                                   f"(this Arm NN has {have})")
+        try:
+            opt, msgs = ann.Optimize(net, [ann.BackendId(b) for b in self.requested_backends],
+                                     rt.GetDeviceSpec(), ann.OptimizerOptions())
+        except Exception as e:
+            raise UnsupportedOrder(f"Arm NN cannot optimise order {self.symbol} for "
+                                   f"{self.requested_backends}: {e}") from None
+        self.messages = [str(m) for m in (msgs or ())]
+        self.layer_backends = self._layer_backends(opt)
+        try:
+            net_id, load_msgs = rt.LoadNetwork(opt)
+        except Exception as e:
+            raise UnsupportedOrder(f"Arm NN cannot load order {self.symbol}: {e}") from None
+        self._net_id = net_id
+        # The runtime owns a deep copy of the optimised graph (weights included) from here on;
+        # the INetwork and its weight copies are no longer needed. The numpy arrays behind the
+        # ConstTensors (mostly views of the caller's blob) are kept, as pyarmnn's docs ask.
+        self._net = None
+        if load_msgs:
+            self.messages.append(str(load_msgs))
+        compute = [b for _, t, b in self.layer_backends if t not in ("Input", "Output")]
+        counts = Counter(compute or [b for _, _, b in self.layer_backends])
+        self.layer_counts = dict(counts)
+        self.backend = counts.most_common(1)[0][0] if counts else self.requested_backends[0]
+        self._in_infos = [rt.GetInputTensorInfo(net_id, i) for i in range(len(self.input_names))]
+        self._out_infos = [rt.GetOutputTensorInfo(net_id, j) for j in range(len(self.output_names))]
+        self._in_sizes = [int(np.prod(s)) for s in self.input_shapes]
+        self._out_sizes = [int(np.prod(s)) for s in self.output_shapes]
+
+    # --- running --------------------------------------------------------------------------
+
+    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        outputs = [np.empty(s, np.float32) for s in self.output_shapes]
+        self.run_into(inputs, outputs)
+        return outputs
+
+    def run_into(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> None:
+        """Run with caller-owned output buffers (DPS). C-contiguous float32 buffers are written by
+        Arm NN directly; anything else goes through a temporary and np.copyto."""
+        if self._net_id is None:
+            raise RuntimeError(f"Arm NN executor for {self.symbol} is closed")
+        if len(inputs) != len(self._in_infos) or len(outputs) != len(self._out_infos):
+            raise ValueError(f"{self.symbol} takes {len(self._in_infos)} inputs and {len(self._out_infos)} "
+                             f"outputs, got {len(inputs)} and {len(outputs)}")
+        ann, raw = self._ann, _raw
+        in_tensors = []
+        for i, x in enumerate(inputs):
+            a = np.asarray(x)
+            if a.size != self._in_sizes[i]:
+                raise ValueError(f"{self.symbol} input {i} ({self.input_names[i]}): expected shape "
+                                 f"{list(self.input_shapes[i])}, got {list(a.shape)}")
+            if a.dtype != np.float32 or not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a, dtype=np.float32)
+            if raw is not None:
+                t = raw.ConstTensor(self._in_infos[i], a)  # reads the caller's buffer in place
+            else:
+                t = ann.ConstTensor(self._in_infos[i], a.view())  # (it marks its array read-only)
+            in_tensors.append((i, t))
+        out_tensors, copies = [], []
+        for j, out in enumerate(outputs):
+            if not isinstance(out, np.ndarray):
+                raise TypeError(f"{self.symbol} output {j}: expected a numpy array, got {type(out).__name__}")
+            if out.size != self._out_sizes[j]:
+                raise ValueError(f"{self.symbol} output {j} ({self.output_names[j]}): expected shape "
+                                 f"{list(self.output_shapes[j])}, got {list(out.shape)}")
+            direct = (raw is not None and out.dtype == np.float32 and out.flags.c_contiguous
+                      and out.flags.writeable)
+            if direct:
+                t = raw.Tensor(self._out_infos[j], out)  # Arm NN writes into the caller's buffer
+            else:
+                t = ann.Tensor(self._out_infos[j])
+                copies.append((out, t))
+            out_tensors.append((j, t))
+        t0 = time.perf_counter_ns()
+        self._runtime.EnqueueWorkload(self._net_id, in_tensors, out_tensors)
+        self.last_run_ns = time.perf_counter_ns() - t0
+        self.last_zero_copy = not copies
+        for out, t in copies:
+            np.copyto(out, t.get_memory_area().reshape(out.shape), casting="same_kind")
+
+    def close(self) -> None:
+        net_id, self._net_id = self._net_id, None
+        if net_id is not None:
+            try:
+                self._runtime.UnloadNetwork(net_id)
+            except Exception:
+                pass
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> ArmnnExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ArmnnExecutor {self.symbol} on {getattr(self, 'backend', '?')}>"
+
+    # --- building -------------------------------------------------------------------------
+
+    def _info(self, shape: Sequence[int]):
+        ann = self._ann
+        return ann.TensorInfo(ann.TensorShape(tuple(int(d) for d in shape)), ann.DataType_Float32)
+
+    def _set(self, layer, tensor: str | None = None, shape: Sequence[int] | None = None):
+        layer.GetOutputSlot(0).SetTensorInfo(self._info(self._shapes[tensor] if shape is None else shape))
+        return layer.GetOutputSlot(0)
+
+    def _slot(self, name: str, where: str):
+        try:
+            return self._slots[name]
+        except KeyError:
+            raise UnsupportedOrder(f"{where} use tensor {name!r}, which no earlier op produces") from None
+
+    def _const(self, arr: np.ndarray):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        self._keep.append(arr)
+        return self._ann.ConstTensor(self._info(arr.shape), arr)
+
+    def _weight(self, name: str, where: str) -> np.ndarray:
+        if name in self._weights_cache:
+            return self._weights_cache[name]
+        spec = self._weights_table.get(name)
+        if spec is None:
+            raise UnsupportedOrder(f"{where}: weight {name!r} is not in the order's weights table")
+        shape = _shape_of(spec, f"weight {name!r}")
+        offset, nbytes = int(spec.get("offset", -1)), int(spec.get("nbytes", -1))
+        count = math.prod(shape)
+        if nbytes != 4 * count or offset < 0 or offset + nbytes > len(self._blob):
+            raise UnsupportedOrder(f"{where}: weight {name!r} (offset {offset}, {nbytes} bytes, shape "
+                                   f"{list(shape)}) does not fit the {len(self._blob)}-byte blob")
+        a = np.frombuffer(self._blob, dtype="<f4", count=count, offset=offset).reshape(shape)
+        if not a.flags.aligned:
+            a = a.copy()
+        self._weights_cache[name] = a
+        return a
+
+    def _add_op(self, k: int, op: Mapping[str, Any]) -> None:
+        typ = str(op.get("type"))
+        out = str(op.get("output"))
+        where = f"op {k} ({typ} -> {out!r})"
+        if out not in self._shapes:
+            raise UnsupportedOrder(f"{where}: output tensor is not in the tensors table")
+        if reason := orders.check_op(op):
+            raise UnsupportedOrder(f"op {k}: {reason}")
+        handler = getattr(self, f"_op_{typ}")
+        ins = [self._slot(str(n), where) for n in (op.get("inputs") or [])]
+        in_shapes = [self._shapes[str(n)] for n in (op.get("inputs") or [])]
+        attrs = op.get("attrs") or {}
+        wts = op.get("weights") or {}
+        slot = handler(where, f"{k}:{typ}:{out}", ins, in_shapes, self._shapes[out], attrs, wts)
+        self._slots[out] = slot
+
+    def _need_inputs(self, where: str, ins: list, n: int) -> None:
+        if len(ins) != n:
+            raise UnsupportedOrder(f"{where}: expected {n} input(s), got {len(ins)}")
+
+    def _activation(self, where: str, name: str, slot, shape, act: Mapping[str, Any] | None):
+        """Append an ActivationLayer for the order's activation object (None: nothing)."""
+        if act is None:
+            return slot
+        ann = self._ann
+        kind = str(act.get("kind"))
+        if kind == "silu":  # x * sigmoid(x): Arm NN has no Swish activation
+            sig = self._activation(where, f"{name}:sig", slot, shape, {"kind": "sigmoid"})
+            layer = self._net.AddMultiplicationLayer(f"{name}:silu")
+            slot.Connect(layer.GetInputSlot(0))
+            sig.Connect(layer.GetInputSlot(1))
+            return self._set(layer, shape=shape)
+        if kind == "hardsigmoid":  # clip(alpha * x + beta, 0, 1): Linear then BoundedReLu
+            d = ann.ActivationDescriptor()
+            d.m_Function = ann.ActivationFunction_Linear
+            d.m_A, d.m_B = float(act.get("alpha", 0.2)), float(act.get("beta", 0.5))
+            layer = self._net.AddActivationLayer(d, f"{name}:linear")
+            slot.Connect(layer.GetInputSlot(0))
+            lin = self._set(layer, shape=shape)
+            return self._activation(where, f"{name}:hsig", lin, shape, {"kind": "clip", "min": 0.0, "max": 1.0})
+        d = ann.ActivationDescriptor()
+        if kind == "relu":
+            d.m_Function = ann.ActivationFunction_ReLu
+        elif kind == "clip":
+            lo = act.get("min")
+            hi = act.get("max")
+            lo = -_FLT_MAX if lo is None else max(float(lo), -_FLT_MAX)
+            hi = _FLT_MAX if hi is None else min(float(hi), _FLT_MAX)
+            if lo > hi:
+                raise UnsupportedOrder(f"{where}: clip with min {lo} > max {hi}")
+            if lo == 0.0 and hi == _FLT_MAX:
+                d.m_Function = ann.ActivationFunction_ReLu
+            else:  # BoundedReLu: min(m_A, max(m_B, x))
+                d.m_Function = ann.ActivationFunction_BoundedReLu
+                d.m_A, d.m_B = hi, lo
+        elif kind == "sigmoid":
+            d.m_Function = ann.ActivationFunction_Sigmoid
+        elif kind == "tanh":  # m_A * tanh(m_B * x)
+            d.m_Function = ann.ActivationFunction_TanH
+            d.m_A, d.m_B = 1.0, 1.0
+        elif kind == "leaky_relu":
+            d.m_Function = ann.ActivationFunction_LeakyReLu
+            d.m_A = float(act.get("alpha", 0.01))
+        elif kind == "hardswish":
+            fn = getattr(ann, "ActivationFunction_HardSwish", None)
+            if fn is None:
+                fn = _HARDSWISH_BY_ABI.get(_abi())
+            if fn is None:
+                raise UnsupportedOrder(f"{where}: activation hardswish: this Arm NN (ABI {_abi()}) has "
+                                       "no HardSwish activation")
+            d.m_Function = fn
+        else:
+            raise UnsupportedOrder(f"{where}: activation kind {kind!r} has no Arm NN equivalent")
+        layer = self._net.AddActivationLayer(d, f"{name}:{kind}")
+        slot.Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=shape)
+
+    def _reshape(self, name: str, slot, shape):
+        ann = self._ann
+        layer = self._net.AddReshapeLayer(ann.ReshapeDescriptor(ann.TensorShape(tuple(shape))), name)
+        slot.Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=shape)
+
+    def _permute(self, name: str, slot, in_shape, axes):
+        """numpy-style transpose(axes) as an Arm NN Permute (whose mapping is the inverse)."""
+        ann = self._ann
+        mapping = tuple(int(i) for i in np.argsort(axes))  # PermutationVector wants a tuple
+        layer = self._net.AddPermuteLayer(ann.PermuteDescriptor(ann.PermutationVector(mapping)), name)
+        slot.Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=[in_shape[a] for a in axes])
+
+    # one method per op type: (where, name, input slots, input shapes, output shape, attrs, weights)
+
+    def _op_conv2d(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        x_shape = in_shapes[0]
+        if len(x_shape) != 4 or len(out_shape) != 4:
+            raise UnsupportedOrder(f"{where}: conv2d needs NHWC rank-4 tensors, got {list(x_shape)}")
+        cin = x_shape[3]
+        if "kernel" not in wts:
+            raise UnsupportedOrder(f"{where}: conv2d without a kernel weight")
+        kernel = self._weight(wts["kernel"], where)
+        if kernel.ndim != 4:
+            raise UnsupportedOrder(f"{where}: conv2d kernel must be rank 4, is {list(kernel.shape)}")
+        bias = self._weight(wts["bias"], where) if wts.get("bias") else None
+        sh, sw = _ints(attrs.get("strides", [1, 1]), 2, f"{where} strides")
+        pt, pl, pb, pr = _ints(attrs.get("padding", [0, 0, 0, 0]), 4, f"{where} padding")
+        dh, dw = _ints(attrs.get("dilation", [1, 1]), 2, f"{where} dilation")
+        groups = int(attrs.get("groups", 1))
+        o, kh, kw, ki = kernel.shape
+        depthwise = bool(attrs.get("depthwise")) or (groups > 1 and groups == cin and ki == 1)
+        if depthwise:
+            if ki != 1 or o % cin or (groups not in (1, cin)):
+                raise UnsupportedOrder(f"{where}: depthwise conv2d kernel {list(kernel.shape)} with groups "
+                                       f"{groups} does not fit {cin} input channels ([C*M, KH, KW, 1] expected)")
+            m = o // cin
+            # ours: [C*M, KH, KW, 1], out channel c*M + m  ->  Arm NN 20.08: [M, C, KH, KW]
+            w = kernel.reshape(cin, m, kh, kw).transpose(1, 0, 2, 3)
+            d = ann.DepthwiseConvolution2dDescriptor()
+        elif groups != 1:
+            raise UnsupportedOrder(f"{where}: grouped conv2d (groups={groups}, {cin} input channels) is neither "
+                                   "ordinary nor depthwise; Arm NN 20.08 has no grouped convolution")
+        else:
+            if ki != cin:
+                raise UnsupportedOrder(f"{where}: conv2d kernel {list(kernel.shape)} (OHWI) does not match "
+                                       f"{cin} input channels")
+            w = kernel  # OHWI is what Arm NN wants for NHWC
+            d = ann.Convolution2dDescriptor()
+        if bias is not None and bias.shape != (o,):
+            raise UnsupportedOrder(f"{where}: conv2d bias shape {list(bias.shape)} is not [{o}]")
+        d.m_DataLayout = ann.DataLayout_NHWC
+        d.m_PadTop, d.m_PadLeft, d.m_PadBottom, d.m_PadRight = pt, pl, pb, pr
+        d.m_StrideY, d.m_StrideX = sh, sw
+        d.m_DilationY, d.m_DilationX = dh, dw
+        d.m_BiasEnabled = bias is not None
+        wt = self._const(w)
+        bt = self._const(bias) if bias is not None else None
+        add = self._net.AddDepthwiseConvolution2dLayer if depthwise else self._net.AddConvolution2dLayer
+        layer = add(d, wt, bt, name) if bt is not None else add(d, wt, name=name)
+        ins[0].Connect(layer.GetInputSlot(0))
+        slot = self._set(layer, shape=out_shape)
+        return self._activation(where, name, slot, out_shape, attrs.get("activation"))
+
+    def _op_dense(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        if "kernel" not in wts:
+            raise UnsupportedOrder(f"{where}: dense without a kernel weight")
+        kernel = self._weight(wts["kernel"], where)
+        if kernel.ndim != 2:
+            raise UnsupportedOrder(f"{where}: dense kernel must be [N, K], is {list(kernel.shape)}")
+        n, kdim = kernel.shape
+        bias = self._weight(wts["bias"], where) if wts.get("bias") else None
+        if bias is not None and bias.shape != (n,):
+            raise UnsupportedOrder(f"{where}: dense bias shape {list(bias.shape)} is not [{n}]")
+        x_shape = in_shapes[0]
+        slot = ins[0]
+        if x_shape[-1] == kdim:  # y = x @ kernel.T over the last axis
+            rows = math.prod(x_shape[:-1])
+        elif math.prod(x_shape[1:]) == kdim:  # flatten everything but the batch
+            rows = x_shape[0]
+        else:
+            raise UnsupportedOrder(f"{where}: dense kernel {list(kernel.shape)} does not fit input {list(x_shape)}")
+        if math.prod(out_shape) != rows * n:
+            raise UnsupportedOrder(f"{where}: dense output {list(out_shape)} is not {rows} x {n}")
+        if tuple(x_shape) != (rows, kdim):
+            slot = self._reshape(f"{name}:flatten", slot, (rows, kdim))
+        d = ann.FullyConnectedDescriptor()
+        d.m_BiasEnabled = bias is not None
+        d.m_TransposeWeightMatrix = True  # weights are [N, K]
+        wt = self._const(kernel)
+        layer = (self._net.AddFullyConnectedLayer(d, wt, self._const(bias), name) if bias is not None
+                 else self._net.AddFullyConnectedLayer(d, wt, name=name))
+        slot.Connect(layer.GetInputSlot(0))
+        slot = self._set(layer, shape=(rows, n))
+        slot = self._activation(where, name, slot, (rows, n), attrs.get("activation"))
+        if tuple(out_shape) != (rows, n):
+            slot = self._reshape(f"{name}:unflatten", slot, out_shape)
+        return slot
+
+    def _op_activation(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        self._need_inputs(where, ins, 1)
+        act = attrs.get("activation")
+        if act is None:
+            raise UnsupportedOrder(f"{where}: activation op without an activation object")
+        if tuple(in_shapes[0]) != tuple(out_shape):
+            raise UnsupportedOrder(f"{where}: activation changes shape {list(in_shapes[0])} -> {list(out_shape)}")
+        return self._activation(where, name, ins[0], out_shape, act)
+
+    def _pool(self, where, name, slot, x_shape, out_shape, kind, size, strides, pads, ceil_mode, include_pad):
+        ann = self._ann
+        if len(x_shape) != 4 or len(out_shape) != 4:
+            raise UnsupportedOrder(f"{where}: pooling needs NHWC rank-4 tensors, got {list(x_shape)}")
+        if kind not in ("max", "avg"):
+            raise UnsupportedOrder(f"{where}: pool kind {kind!r} (max/avg only)")
+        (kh, kw), (sh, sw), (pt, pl, pb, pr) = size, strides, pads
+        rnd = math.ceil if ceil_mode else math.floor
+        want = [rnd((x_shape[1] + pt + pb - kh) / sh) + 1, rnd((x_shape[2] + pl + pr - kw) / sw) + 1]
+        if want != list(out_shape[1:3]):
+            raise UnsupportedOrder(
+                f"{where}: pool output {list(out_shape[1:3])} differs from Arm NN's "
+                f"{'ceiling' if ceil_mode else 'floor'}-rounded {want} (ceil_mode whose last window would start "
+                "in the bottom/right padding is not expressible)")
+        d = ann.Pooling2dDescriptor()
+        d.m_PoolType = ann.PoolingAlgorithm_Max if kind == "max" else ann.PoolingAlgorithm_Average
+        d.m_PoolHeight, d.m_PoolWidth = kh, kw
+        d.m_StrideY, d.m_StrideX = sh, sw
+        d.m_PadTop, d.m_PadLeft, d.m_PadBottom, d.m_PadRight = pt, pl, pb, pr
+        d.m_OutputShapeRounding = ann.OutputShapeRounding_Ceiling if ceil_mode else ann.OutputShapeRounding_Floor
+        d.m_PaddingMethod = ann.PaddingMethod_IgnoreValue if (include_pad and kind == "avg") else ann.PaddingMethod_Exclude
+        d.m_DataLayout = ann.DataLayout_NHWC
+        layer = self._net.AddPooling2dLayer(d, name)
+        slot.Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=out_shape)
+
+    def _op_pool2d(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        self._need_inputs(where, ins, 1)
+        size = _ints(attrs.get("pool_size"), 2, f"{where} pool_size")
+        strides = _ints(attrs.get("strides", size), 2, f"{where} strides")
+        pads = _ints(attrs.get("padding", [0, 0, 0, 0]), 4, f"{where} padding")
+        if list(attrs.get("dilation") or [1, 1]) != [1, 1]:
+            raise UnsupportedOrder(f"{where}: dilated pooling has no Arm NN layer")
+        return self._pool(where, name, ins[0], in_shapes[0], out_shape, str(attrs.get("kind")), size, strides,
+                          pads, bool(attrs.get("ceil_mode", False)), bool(attrs.get("count_include_pad", False)))
+
+    def _op_global_pool2d(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        self._need_inputs(where, ins, 1)
+        x = in_shapes[0]
+        if len(x) != 4 or tuple(out_shape) != (x[0], 1, 1, x[3]):
+            raise UnsupportedOrder(f"{where}: global pool {list(x)} -> {list(out_shape)} (N,1,1,C expected)")
+        return self._pool(where, name, ins[0], x, out_shape, str(attrs.get("kind")), (x[1], x[2]), (1, 1),
+                          (0, 0, 0, 0), False, False)
+
+    def _op_binary(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        kind = str(attrs.get("kind"))
+        adders = {"add": self._net.AddAdditionLayer, "sub": self._net.AddSubtractionLayer,
+                  "mul": self._net.AddMultiplicationLayer, "div": self._net.AddDivisionLayer,
+                  "max": self._net.AddMaximumLayer, "min": self._net.AddMinimumLayer}
+        if kind not in adders:
+            raise UnsupportedOrder(f"{where}: binary kind {kind!r} ({'/'.join(adders)} only)")
+        # operands in order: a constant "lhs" goes before the op's input, a constant "rhs" after it
+        operands: list[tuple[Any, Any]] = [(s, sh) for s, sh in zip(ins, in_shapes)]
+        consts = {r: self._weight(n, where) for r, n in wts.items() if n}
+        if "lhs" in consts:
+            operands.insert(0, (None, consts["lhs"]))
+        if "rhs" in consts:
+            operands.append((None, consts["rhs"]))
+        if len(operands) != 2:
+            raise UnsupportedOrder(f"{where}: binary needs exactly two operands, got {len(operands)}")
+        rank = len(out_shape)
+        slots, shapes = [], []
+        for i, (slot, val) in enumerate(operands):
+            shape = tuple(val.shape) if slot is None else tuple(val)
+            if len(shape) > rank:
+                raise UnsupportedOrder(f"{where}: operand {i} rank {len(shape)} exceeds the output rank {rank}")
+            full = (1,) * (rank - len(shape)) + shape
+            if slot is None:
+                c = self._const(np.asarray(val, np.float32).reshape(full))
+                layer = self._net.AddConstantLayer(c, f"{name}:const{i}")
+                slot = self._set(layer, shape=full)
+            elif full != shape:
+                slot = self._reshape(f"{name}:rank{i}", slot, full)
+            slots.append(slot)
+            shapes.append(full)
+        for a, b, o in zip(shapes[0], shapes[1], out_shape):
+            if max(a, b) != o or min(a, b) not in (1, o):
+                raise UnsupportedOrder(f"{where}: shapes {list(shapes[0])} and {list(shapes[1])} do not "
+                                       f"broadcast to {list(out_shape)}")
+        layer = adders[kind](name)
+        slots[0].Connect(layer.GetInputSlot(0))
+        slots[1].Connect(layer.GetInputSlot(1))
+        slot = self._set(layer, shape=out_shape)
+        return self._activation(where, name, slot, out_shape, attrs.get("activation"))
+
+    def _op_conv2d_transpose(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        x_shape = in_shapes[0]
+        if len(x_shape) != 4 or len(out_shape) != 4:
+            raise UnsupportedOrder(f"{where}: conv2d_transpose needs NHWC rank-4 tensors, got {list(x_shape)}")
+        kernel = self._weight(wts["kernel"], where)
+        if kernel.ndim != 4 or kernel.shape[3] != x_shape[3] or kernel.shape[0] != out_shape[3]:
+            raise UnsupportedOrder(f"{where}: conv2d_transpose kernel {list(kernel.shape)} (OHWI) does not fit "
+                                   f"{list(x_shape)} -> {list(out_shape)}")
+        bias = self._weight(wts["bias"], where) if wts.get("bias") else None
+        sh, sw = _ints(attrs.get("strides", [1, 1]), 2, f"{where} strides")
+        pt, pl, pb, pr = _ints(attrs.get("padding", [0, 0, 0, 0]), 4, f"{where} padding")
+        oph, opw = _ints(attrs.get("output_padding", [0, 0]), 2, f"{where} output_padding")
+        # output_padding grows the output at the bottom/right: the same as cropping less there
+        if oph > pb or opw > pr:
+            raise UnsupportedOrder(f"{where}: conv2d_transpose output_padding {[oph, opw]} exceeds the bottom/right "
+                                   f"padding {[pb, pr]}; Arm NN cannot grow the output")
+        pb, pr = pb - oph, pr - opw
+        o, kh, kw, _ = kernel.shape
+        want = [(x_shape[1] - 1) * sh + kh - pt - pb, (x_shape[2] - 1) * sw + kw - pl - pr]
+        if want != list(out_shape[1:3]):
+            raise UnsupportedOrder(f"{where}: conv2d_transpose output {list(out_shape[1:3])} is not Arm NN's {want}")
+        d = ann.TransposeConvolution2dDescriptor()
+        d.m_PadTop, d.m_PadLeft, d.m_PadBottom, d.m_PadRight = pt, pl, pb, pr
+        d.m_StrideY, d.m_StrideX = sh, sw
+        d.m_BiasEnabled = bias is not None
+        d.m_DataLayout = ann.DataLayout_NHWC
+        wt = self._const(kernel)
+        layer = (self._net.AddTransposeConvolution2dLayer(d, wt, self._const(bias), name) if bias is not None
+                 else self._net.AddTransposeConvolution2dLayer(d, wt, name=name))
+        ins[0].Connect(layer.GetInputSlot(0))
+        slot = self._set(layer, shape=out_shape)
+        return self._activation(where, name, slot, out_shape, attrs.get("activation"))
+
+    def _op_prelu(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        self._need_inputs(where, ins, 1)
+        shape = tuple(in_shapes[0])
+        slope = self._weight(wts["slope"], where)
+        if slope.ndim > len(shape):
+            raise UnsupportedOrder(f"{where}: prelu slope {list(slope.shape)} has a higher rank than {list(shape)}")
+        full = (1,) * (len(shape) - slope.ndim) + tuple(slope.shape)
+        if any(s not in (1, d) for s, d in zip(full, shape)):
+            raise UnsupportedOrder(f"{where}: prelu slope {list(slope.shape)} does not broadcast to {list(shape)}")
+        alpha = self._net.AddConstantLayer(self._const(slope.reshape(full)), f"{name}:slope")
+        a_slot = self._set(alpha, shape=full)
+        layer = self._net.AddPreluLayer(name)
+        ins[0].Connect(layer.GetInputSlot(0))
+        a_slot.Connect(layer.GetInputSlot(1))
+        return self._set(layer, shape=out_shape)
+
+    def _op_strided_slice(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        shape = in_shapes[0]
+        rank = len(shape)
+        begin = _ints(attrs.get("begin"), rank, f"{where} begin")
+        end = _ints(attrs.get("end"), rank, f"{where} end")
+        strides = _ints(attrs.get("strides"), rank, f"{where} strides")
+        if any(s <= 0 for s in strides) or any(not 0 <= b <= e <= d for b, e, d in zip(begin, end, shape)):
+            raise UnsupportedOrder(f"{where}: strided_slice {begin}:{end}:{strides} is not normalised for {list(shape)}")
+        want = [-(-(e - b) // s) for b, e, s in zip(begin, end, strides)]
+        if want != list(out_shape):
+            raise UnsupportedOrder(f"{where}: strided_slice gives {want}, the order says {list(out_shape)}")
+        d = ann.StridedSliceDescriptor()
+        d.m_Begin, d.m_End, d.m_Stride = begin, end, strides
+        d.m_DataLayout = ann.DataLayout_NHWC
+        layer = self._net.AddStridedSliceLayer(d, name)
+        ins[0].Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=out_shape)
+
+    def _op_pad(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        shape = in_shapes[0]
+        rank = len(shape)
+        pads = _ints(attrs.get("pads"), 2 * rank, f"{where} pads")
+        pairs = [(pads[i], pads[rank + i]) for i in range(rank)]
+        if any(p < 0 for p in pads) or [d + a + b for d, (a, b) in zip(shape, pairs)] != list(out_shape):
+            raise UnsupportedOrder(f"{where}: pad {pads} of {list(shape)} is not {list(out_shape)}")
+        d = ann.PadDescriptor(pairs, float(attrs.get("value", 0.0)))
+        layer = self._net.AddPadLayer(d, name)
+        ins[0].Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=out_shape)
+
+    def _op_concat(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        if not ins:
+            raise UnsupportedOrder(f"{where}: concat without inputs")
+        rank = len(out_shape)
+        axis = int(attrs.get("axis", 0))
+        if not -rank <= axis < rank:
+            raise UnsupportedOrder(f"{where}: concat axis {axis} out of range for rank {rank}")
+        axis %= rank
+        for s in in_shapes:
+            if len(s) != rank or any(s[i] != out_shape[i] for i in range(rank) if i != axis):
+                raise UnsupportedOrder(f"{where}: concat input {list(s)} does not fit {list(out_shape)} on axis {axis}")
+        if sum(s[axis] for s in in_shapes) != out_shape[axis]:
+            raise UnsupportedOrder(f"{where}: concat inputs do not add up to {list(out_shape)} on axis {axis}")
+        if len(ins) == 1:
+            return ins[0]
+        desc = ann.CreateDescriptorForConcatenation([ann.TensorShape(tuple(s)) for s in in_shapes], axis)
+        layer = self._net.AddConcatLayer(desc, name)
+        for i, s in enumerate(ins):
+            s.Connect(layer.GetInputSlot(i))
+        return self._set(layer, shape=out_shape)
+
+    def _op_reshape(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        self._need_inputs(where, ins, 1)
+        if math.prod(in_shapes[0]) != math.prod(out_shape):
+            raise UnsupportedOrder(f"{where}: reshape {list(in_shapes[0])} -> {list(out_shape)} changes the size")
+        return self._reshape(name, ins[0], out_shape)  # the tensors table is the target shape
+
+    def _op_softmax(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        shape = tuple(in_shapes[0])
+        rank = len(shape)
+        axis = int(attrs.get("axis", -1))
+        if not -rank <= axis < rank or shape != tuple(out_shape):
+            raise UnsupportedOrder(f"{where}: softmax axis {axis} over {list(shape)} -> {list(out_shape)}")
+        axis %= rank
+        slot, cur = ins[0], shape
+        if axis != rank - 1:  # ACL 20.08 only does the innermost axis: move it there and back
+            axes = [a for a in range(rank) if a != axis] + [axis]
+            slot = self._permute(f"{name}:to_last", slot, shape, axes)
+            cur = tuple(shape[a] for a in axes)
+        d = ann.SoftmaxDescriptor()
+        d.m_Beta = 1.0
+        d.m_Axis = -1
+        layer = self._net.AddSoftmaxLayer(d, name)
+        slot.Connect(layer.GetInputSlot(0))
+        slot = self._set(layer, shape=cur)
+        if axis != rank - 1:
+            slot = self._permute(f"{name}:back", slot, cur, [int(a) for a in np.argsort(axes)])
+        return slot
+
+    def _op_resize2d(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        x = in_shapes[0]
+        if len(x) != 4 or len(out_shape) != 4 or (x[0], x[3]) != (out_shape[0], out_shape[3]):
+            raise UnsupportedOrder(f"{where}: resize2d {list(x)} -> {list(out_shape)} is not an NHWC spatial resize")
+        size = attrs.get("size")
+        if size is not None and [int(s) for s in size] != list(out_shape[1:3]):
+            raise UnsupportedOrder(f"{where}: resize2d size {size} disagrees with the output {list(out_shape)}")
+        method = str(attrs.get("method"))
+        mode = str(attrs.get("coordinate_transformation_mode", "half_pixel"))
+        rounding = str(attrs.get("rounding_method", "") or "")
+        if method not in ("nearest", "linear"):
+            raise UnsupportedOrder(f"{where}: resize2d method {method!r} (Arm NN has nearest and bilinear)")
+        flags = resize_flags(method, mode, rounding, x[1:3], out_shape[1:3])
+        if flags is None:
+            what = f"{method}/{mode}" + (f"/{rounding or 'default'}" if method == "nearest" else "")
+            raise UnsupportedOrder(f"{where}: resize2d {what} {list(x[1:3])} -> {list(out_shape[1:3])} differs from "
+                                   "every Arm NN resize (align_corners / half_pixel_centers / neither)")
+        d = ann.ResizeDescriptor()
+        d.m_Method = ann.ResizeMethod_NearestNeighbor if method == "nearest" else ann.ResizeMethod_Bilinear
+        d.m_TargetHeight, d.m_TargetWidth = int(out_shape[1]), int(out_shape[2])
+        d.m_DataLayout = ann.DataLayout_NHWC
+        d.m_AlignCorners, d.m_HalfPixelCenters = flags
+        layer = self._net.AddResizeLayer(d, name)
+        ins[0].Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=out_shape)
+
+    def _op_transpose(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        self._need_inputs(where, ins, 1)
+        shape = in_shapes[0]
+        rank = len(shape)
+        axes = attrs.get("axes")
+        axes = list(reversed(range(rank))) if axes is None else [int(a) % rank if rank else 0 for a in axes]
+        if sorted(axes) != list(range(rank)):
+            raise UnsupportedOrder(f"{where}: transpose axes {attrs.get('axes')} are not a permutation of rank {rank}")
+        if [shape[a] for a in axes] != list(out_shape):
+            raise UnsupportedOrder(f"{where}: transpose {list(shape)} by {axes} is not {list(out_shape)}")
+        return self._permute(name, ins[0], shape, axes)
+
+    # --- which backend runs what --------------------------------------------------------------
+
+    @staticmethod
+    def _layer_backends(opt) -> list[tuple[str, str, str]]:
+        """(layer name, layer type, backend) of every layer, read from the optimised network's dot
+        dump (IOptimizedNetwork has no other introspection in pyarmnn 20.08)."""
+        fd, path = tempfile.mkstemp(prefix="tandoor-armnn-", suffix=".dot")
+        os.close(fd)
+        try:
+            opt.SerializeToDot(path)
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except Exception:
+            return []
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        out = []
+        for label in re.findall(r'label="\{([^"]*)\}"', text):
+            fields = dict(re.findall(r"(\w+) : ([^\\|]*)\\l", label))
+            if "BackendID" in fields:
+                out.append((fields.get("LayerName", "?"), fields.get("LayerType", "?"), fields["BackendID"]))
+        return out

@@ -1,0 +1,81 @@
+"""The tvm executor: the order's region compiled by TVM into the bundle, for boards that have
+neither Arm NN nor onnxruntime. Slow (untuned loops) but always there.
+
+Inputs are handed to the fallback VM as dlpack views of the caller's buffers (no copy); the
+fallback function allocates its own result (it is not in DPS form), which is copied once into
+the caller's output buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tandoor_contract import hmod
+
+from . import Unavailable
+
+
+class TvmExecutor:
+    name = "tvm"
+
+    def __init__(self, order: dict, lib_path: Path, params: list[np.ndarray] | None = None) -> None:
+        """``params``: the weights the fallback was compiled without (manifest fallback_params),
+        turned once here into what ``main`` takes (``main_transform_params``: kernel layouts)."""
+        import tvm
+        from tvm import relax
+
+        self.dev = tvm.cpu()
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+        self._main = self.vm["main"]
+        self._params: list = []
+        if params:
+            raw = [tvm.runtime.tensor(np.ascontiguousarray(p), self.dev) for p in params]
+            self._params = list(self.vm["main_transform_params"](raw))
+        self.backend = "llvm"
+        self.last_run_ns = 0
+        self.last_zero_copy = False  # the fallback function allocates its result: one copy out
+        self._tvm = tvm
+        self._from_dlpack = tvm.runtime.from_dlpack
+
+    def _call(self, args):
+        t0 = time.perf_counter_ns()
+        out = self._main(*args, *self._params)
+        self.last_run_ns = time.perf_counter_ns() - t0
+        return list(out) if not hasattr(out, "numpy") else [out]
+
+    def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        args = [self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=np.float32), self.dev) for a in inputs]
+        return [o.numpy() for o in self._call(args)]
+
+    def run_into(self, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+        args = [self._from_dlpack(a) if a.flags.c_contiguous and a.dtype == np.float32
+                else self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=np.float32), self.dev) for a in inputs]
+        for dst, src in zip(outputs, self._call(args)):
+            np.copyto(dst, np.from_dlpack(src).reshape(dst.shape))
+
+
+def fallback_params(bundle, part: dict) -> list[np.ndarray]:
+    """The TVM fallback's weights (compiled out of its lib): byte ranges of bundle members, each
+    transposed by ``perm`` when given."""
+    blobs: dict[str, bytes] = {}
+    out = []
+    for i, spec in enumerate(part.get("fallback_params") or ()):
+        member = spec["member"]
+        if member not in blobs:
+            blobs[member] = bundle.read(member)
+        try:
+            a = hmod.blob_array(blobs[member], spec)
+        except ValueError as err:
+            raise Unavailable(f"fallback_params[{i}] of {part.get('symbol')} in {member}: {err}; "
+                                "recompile the model") from None
+        perm = spec.get("perm")
+        if perm is not None:
+            if sorted(perm) != list(range(a.ndim)):
+                raise Unavailable(f"fallback_params[{i}] of {part.get('symbol')}: perm {perm} does not fit "
+                                    f"{list(a.shape)}; recompile the model")
+            a = a.transpose(perm)
+        out.append(a)
+    return out

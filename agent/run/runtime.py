@@ -1,0 +1,268 @@
+"""Run a hybrid module: TVM's VM schedules the graph and calls out, by symbol, to one executor
+per delegated order (armnn | onnxruntime | tvm).
+
+The VM resolves call_dps_packed names when it is created, from the process-wide function
+registry; so executors are registered first, then the VM is made. A later module registering
+the same symbol does not disturb a VM already created (it holds the old function).
+
+Executors share one small interface: ``run_into(inputs, outputs)`` with numpy views of the VM's
+DPS buffers (outputs written in place where the library allows), ``backend`` (what really runs
+it), and ``last_run_ns`` (the time spent inside the library call itself during the last
+``run_into``). The delegate wrapper times the whole call; the difference is the bridge overhead
+(dlpack views, wrapping buffers for the library, copies), reported per subgraph as ``bridge_us``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tandoor_contract import hmod
+from tandoor_contract.errors import TandoorError
+
+from . import executors
+from .board import ACCELERATED_ARMNN, DEFAULT_ARMNN_BACKENDS, first_line as _first_line
+
+log = logging.getLogger("tandoor.runtime")
+
+EXECUTORS = executors.NAMES
+
+
+class RuntimeError_(TandoorError):
+    """Cannot run this bundle here (no usable executor, bad inputs, inference failed). One line."""
+
+    exit_code = 3
+
+
+@dataclass
+class Subgraph:
+    symbol: str
+    executor: str
+    backend: str
+    fallback_reason: str | None = None
+    # Arm NN: compute layers per backend after Optimize (a layer CpuAcc lacks lands on CpuRef)
+    layers: dict[str, int] | None = None
+    calls: int = 0
+    seconds: float = 0.0
+    zero_copy: bool = False  # outputs written straight into the VM's buffers on the last call
+    # per call, nanoseconds: whole delegate call, and the library's own run inside it
+    total_ns: list[int] = field(default_factory=list)
+    run_ns: list[int] = field(default_factory=list)
+
+    def record(self, total: int, run: int) -> None:
+        self.calls += 1
+        self.seconds += total / 1e9
+        self.total_ns.append(total)
+        self.run_ns.append(run)
+
+    def bridge_us(self) -> float | None:
+        """Median per-call overhead of the bridge: delegate call minus the library's run."""
+        if not self.total_ns:
+            return None
+        return statistics.median(t - r for t, r in zip(self.total_ns, self.run_ns)) / 1e3
+
+    def run_us(self) -> float | None:
+        return statistics.median(self.run_ns) / 1e3 if self.run_ns else None
+
+
+def _build_executor(kind: str, bundle: hmod.Bundle, symbol: str, order: dict, target: str, workdir: Path,
+                    armnn_backends: tuple[str, ...]):
+    part = next((p for p in bundle.manifest.get("partitions", []) if p.get("symbol") == symbol), {})
+    ctx = executors.BuildContext(bundle, symbol, order, part, target, workdir, armnn_backends)
+    try:
+        return executors.build(kind, ctx)
+    except executors.Unavailable as e:
+        raise RuntimeError_(str(e)) from None
+
+
+def check_inputs(manifest: dict, inputs: list[np.ndarray]) -> None:
+    """Inputs must match the manifest's count, shapes and dtypes (RuntimeError_ otherwise)."""
+    specs = manifest["inputs"]
+    if len(inputs) != len(specs):
+        raise RuntimeError_(f"the model takes {len(specs)} input(s), got {len(inputs)}")
+    for spec, a in zip(specs, inputs):
+        a = np.asarray(a)
+        if list(a.shape) != list(spec["shape"]):
+            raise RuntimeError_(f"input {spec['name']} must have shape {spec['shape']}, got {list(a.shape)}")
+        if not np.can_cast(a.dtype, spec["dtype"], "same_kind"):
+            raise RuntimeError_(f"input {spec['name']} must be {spec['dtype']}, got {a.dtype}")
+
+
+
+
+def _board_model() -> str:
+    from .board import board_model
+
+    try:
+        return board_model()
+    except Exception:
+        return ""
+
+
+def _auto_preference(armnn_backends: tuple[str, ...]) -> list[str]:
+    """armnn first only where it brings ACL (CpuAcc/GpuAcc). Its CpuRef backend is a reference
+    implementation, seconds per CNN inference, far slower than onnxruntime on the same CPU."""
+    try:
+        from .executors import armnn
+
+        ok, _ = armnn.available()
+        have = set(armnn.backends()) if ok else set()
+    except Exception:
+        have = set()
+    acl = bool(have & set(ACCELERATED_ARMNN) & set(armnn_backends))
+    if have and not acl:
+        log.info("Arm NN offers only %s here (no ACL backend); auto prefers onnxruntime", ", ".join(sorted(have)))
+    return executors.auto_order(acl)
+
+
+class HybridModule:
+    """A verified bundle made runnable: one executor per delegated order, then the VM.
+
+    ``delegate`` is ``auto`` (armnn > onnxruntime > tvm, the first that can build each order)
+    or one executor name, which is tried first for every order; an order it cannot build falls
+    back to the others in the auto order, logged once with the reason and reported in
+    ``describe()[i]["fallback_reason"]``.
+    """
+
+    def __init__(self, bundle: hmod.Bundle, delegate: str = "auto",
+                 armnn_backends: tuple[str, ...] = DEFAULT_ARMNN_BACKENDS,
+                 workdir: Path | None = None) -> None:
+        if delegate not in ("auto", *EXECUTORS):
+            raise RuntimeError_(f"unknown --delegate {delegate!r}; choose from auto, {', '.join(EXECUTORS)}")
+        self.bundle = bundle
+        self.manifest = bundle.manifest
+        # First, before anything is written, imported or built: is there a lib for this machine?
+        self.target = bundle.lib_for()
+
+        # TVM counts 1 thread on small VMs when TVM_NUM_THREADS is unset: set it (and unbound
+        # workers) before the first parallel TVM call starts its pool.
+        from .board import configure_tvm_threads
+
+        configure_tvm_threads()
+        import tvm
+        import tvm_ffi
+        from tvm import relax
+
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tandoor-run-")
+            workdir = Path(self._tmp.name)
+        self.workdir = workdir
+        self.subgraphs: list[Subgraph] = []
+        self._executors = {}
+        preference = _auto_preference(armnn_backends) if delegate == "auto" else \
+            [delegate] + [e for e in EXECUTORS if e != delegate]
+        # compile --profile recorded a measured executor per subgraph; follow it in auto mode only
+        # on the board it was measured on (a profile from another board says nothing here).
+        prof = self.manifest.get("profile") or {}
+        profiled_here = bool(prof) and prof.get("board") == _board_model()
+        try:
+            for part in self.manifest.get("partitions", []):
+                if not part.get("delegate"):
+                    continue
+                symbol = part["symbol"]
+                order = bundle.order(symbol)
+                reasons = []
+                hint = part.get("executor") if delegate == "auto" and profiled_here else None
+                order_pref = [hint] + [e for e in preference if e != hint] if hint in EXECUTORS else preference
+                for kind in order_pref:
+                    try:
+                        ex = _build_executor(kind, bundle, symbol, order, self.target, workdir, armnn_backends)
+                    except hmod.BundleError:
+                        raise  # the bundle itself is bad: not a reason to try another executor
+                    except Exception as err:  # this executor cannot build it -> the next one
+                        reasons.append(f"{kind}: {_first_line(err)}")
+                        continue
+                    sg = Subgraph(symbol, kind, str(getattr(ex, "backend", "?")), "; ".join(reasons) or None,
+                                  getattr(ex, "layer_counts", None))
+                    if reasons:
+                        log.warning("%s runs on %s (fallback: %s)", symbol, kind, sg.fallback_reason)
+                    else:
+                        log.info("%s runs on %s (%s)", symbol, kind, sg.backend)
+                    self.subgraphs.append(sg)
+                    self._executors[symbol] = ex
+                    tvm_ffi.register_global_func(symbol, self._make_delegate(ex, sg, len(order["inputs"])),
+                                                 override=True)
+                    break
+                else:
+                    raise RuntimeError_(f"no executor can run {symbol}: " + "; ".join(reasons))
+            lib_path = workdir / f"{self.target}.so"
+            lib_path.write_bytes(bundle.read(self.manifest["targets"][self.target]["lib"]))
+            self.dev = tvm.cpu()
+            try:
+                self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+            except Exception as err:
+                raise RuntimeError_(f"cannot load the {self.target} lib: {_first_line(err)}") from None
+        except BaseException:
+            self.close()
+            raise
+        self._tvm = tvm
+        self._args = None
+        self.inputs = self.manifest["inputs"]
+
+    @staticmethod
+    def _make_delegate(ex, sg: Subgraph, n_in: int):
+        clock = time.perf_counter_ns
+
+        def call(*args):
+            # DPS: inputs then outputs; dlpack gives zero-copy numpy views of the VM's buffers.
+            t0 = clock()
+            views = [np.from_dlpack(a) for a in args]
+            ex.run_into(views[:n_in], views[n_in:])
+            sg.record(clock() - t0, ex.last_run_ns)
+            sg.zero_copy = ex.last_zero_copy
+
+        return call
+
+    def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        check_inputs(self.manifest, inputs)
+        if self._args is None:
+            # One buffer per input, reused from run to run: the delegates see the same addresses
+            # each time, so bindings made on the first call stay valid.
+            self._args = [self._tvm.runtime.empty(tuple(spec["shape"]), spec["dtype"], self.dev) for spec in self.inputs]
+        for t, spec, a in zip(self._args, self.inputs, inputs):
+            t.copyfrom(np.ascontiguousarray(a, dtype=spec["dtype"]))
+        try:
+            out = self.vm["main"](*self._args)
+        except Exception as err:
+            raise RuntimeError_(f"inference failed: {_first_line(err)}") from None
+        if hasattr(out, "numpy"):
+            return [out.numpy()]
+        return [o.numpy() for o in out]
+
+    def describe(self) -> list[dict]:
+        out = []
+        for s in self.subgraphs:
+            d = {"symbol": s.symbol, "executor": s.executor, "backend": s.backend}
+            if s.fallback_reason:
+                d["fallback_reason"] = s.fallback_reason
+            if s.layers:
+                d["layers"] = dict(s.layers)
+            if s.calls:
+                d.update(calls=s.calls, run_us=round(s.run_us(), 1), bridge_us=round(s.bridge_us(), 1),
+                         zero_copy=s.zero_copy)
+            out.append(d)
+        return out
+
+    def reset_stats(self) -> None:
+        for s in self.subgraphs:
+            s.calls, s.seconds, s.total_ns, s.run_ns = 0, 0.0, [], []
+
+    def close(self) -> None:
+        for ex in self._executors.values():
+            closer = getattr(ex, "close", None)
+            if closer is not None:
+                try:
+                    closer()
+                except Exception:
+                    pass
+        self._executors = {}
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

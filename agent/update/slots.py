@@ -1,0 +1,807 @@
+"""A/B model slots with one persisted, explicit state machine (RAUC/Mender vocabulary: slots,
+install, mark-good/commit, rollback), safe against kill -9 and power loss at every step.
+
+Layout under ``slot_dir``::
+
+    state.json          the one persisted state (below); replaced atomically, never edited in place
+    a/model.hmod        slot a's bundle
+    b/model.hmod        slot b's bundle
+    staging/            partial downloads (the update job writes chunks here; see staging_path())
+    .lock               flock()ed while the state changes (one writer at a time, across processes)
+
+``state.json``::
+
+    {"version": 1,
+     "primary": "a" | "b" | null,           # the committed slot the agent serves
+     "slots": {"a": {"bundle": "a/model.hmod", "sha256": ..., "model": {name, version},
+                     "state": "empty" | "installing" | "trial" | "good" | "bad",
+                     "installed_at": ..., "job_id": ..., "reason": ...},
+               "b": {...}},
+     "trial": null | {"slot": "b", "job_id": ..., "started_at": ..., "previous": "a" | null},
+     "jobs": {job_id: {"outcome": "trial" | "committed" | "rolled_back" | "failed",
+                       "slot": ..., "reason": ..., "sha256": ..., "at": ...}},   # last 32 jobs
+     "history": [{"at", "slot", "from", "to", "reason", "job_id"}, ...]}         # last 20
+
+Slot states and the only allowed transitions (TRANSITIONS; anything else raises
+TransitionError)::
+
+    empty | bad | good(not primary) --install--> installing --bundle in place--> trial
+    installing --failure / crash recovery--> empty
+    trial --commit / mark_good--> good (becomes primary; the previous primary stays good)
+    trial --rollback / failed health / crash recovery--> bad (primary stays the previous slot)
+    good(primary) --rollback of a committed update--> bad (the other, good slot becomes primary)
+    good(primary) --its file is missing or changed (recovery)--> bad
+
+Every change is one atomic replacement of state.json (write temp, fsync, os.replace, fsync dir),
+and a bundle only becomes part of the state after its own bytes and rename are durable, so
+after a crash at any point the state names either the old or the new situation, never a mix;
+:meth:`SlotStore.recover_on_start` then rolls back a trial that was never committed and
+forgets an install that never finished. See docs/updates.md for the argument in full.
+
+Errors are :class:`SlotError` subclasses with a one-line message, an ``exit_code`` and a
+machine-readable ``kind`` (for the update job's failed ack).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, Union
+
+from tandoor_contract import hmod
+from tandoor_contract.errors import TandoorError
+from tandoor_contract import durable
+
+log = logging.getLogger("tandoor.slots")
+
+__all__ = [
+    "SLOTS", "SLOT_STATES", "TRANSITIONS", "STATE_VERSION", "SlotStore",
+    "SlotError", "TransitionError", "InstallRefused", "Busy", "StateCorrupt",
+]
+
+STATE_VERSION = 1
+SLOTS = ("a", "b")
+SLOT_STATES = ("empty", "installing", "trial", "good", "bad")
+BUNDLE_NAME = "model.hmod"
+STATE_NAME = "state.json"
+HISTORY_MAX = 20
+JOBS_MAX = 32
+DEFAULT_RESERVE = 256 * 1024  # bytes kept free after an install (state.json, logs, temp files)
+_CHUNK = 1 << 20
+
+# (from, to) -> the operations allowed to make that change. The one table of legal moves.
+TRANSITIONS: dict[tuple[str, str], frozenset[str]] = {
+    ("empty", "installing"): frozenset({"install"}),
+    ("bad", "installing"): frozenset({"install"}),
+    ("good", "installing"): frozenset({"install"}),      # only a slot that is not primary
+    ("installing", "trial"): frozenset({"install"}),
+    ("installing", "empty"): frozenset({"install_failed", "recover"}),
+    ("trial", "good"): frozenset({"commit"}),
+    ("trial", "bad"): frozenset({"rollback", "recover"}),
+    ("good", "bad"): frozenset({"rollback", "recover"}),  # only the primary (recovery: any)
+    ("empty", "good"): frozenset({"adopt"}),              # rebuilding a lost state.json from disk
+    ("empty", "bad"): frozenset({"adopt"}),
+}
+
+SourceLike = Union[str, "os.PathLike[str]", IO[bytes]]
+
+# Failpoint for crash tests: called with the name of each step (e.g. "install:copy_synced",
+# "commit:replaced"). A test process sets it to stop or kill itself there. None in production.
+_hook: Callable[[str], None] | None = None
+
+
+def _step(name: str) -> None:
+    if _hook is not None:
+        _hook(name)
+
+
+# ----------------------------------------------------------------------------------- errors
+class SlotError(TandoorError):
+    """Base of slot errors: one line, with ``exit_code`` and a machine-readable ``kind``."""
+
+    exit_code = 20
+    kind = "slot_error"
+
+    def __init__(self, msg: str, kind: str | None = None, exit_code: int | None = None) -> None:
+        super().__init__(msg, exit_code=exit_code, kind=kind)
+
+
+class TransitionError(SlotError):
+    """A state change the state machine does not allow (a programming or protocol error)."""
+
+    exit_code = 21
+    kind = "bad_transition"
+
+
+class InstallRefused(SlotError):
+    """The bundle was not installed; the running slot is untouched. ``kind`` says why:
+    bad_signature, unsigned, hash_mismatch, not_a_bundle, format_version, wrong_arch,
+    sha256_mismatch, no_space, io_error, ... ``repeated`` is True when this is the recorded
+    answer to a job that was already refused."""
+
+    exit_code = 22
+    kind = "install_refused"
+    repeated = False
+
+
+class Busy(SlotError):
+    """Another job's trial is in progress: commit or roll it back first."""
+
+    exit_code = 23
+    kind = "busy"
+
+
+class StateCorrupt(SlotError):
+    exit_code = 24
+    kind = "state_corrupt"
+
+
+_BUNDLE_KINDS = {
+    hmod.NotABundle: "not_a_bundle", hmod.UnsafeMember: "unsafe_member",
+    hmod.HashMismatch: "hash_mismatch", hmod.MissingMember: "missing_member",
+    hmod.BadSignature: "bad_signature", hmod.UnsignedBundle: "unsigned",
+    hmod.FormatVersionError: "format_version", hmod.NoLibForArch: "wrong_arch",
+    hmod.ExtraMember: "extra_member", hmod.KeyFileError: "key_file",
+}
+
+
+def _refusal_from(err: hmod.BundleError) -> InstallRefused:
+    kind = next((k for cls, k in _BUNDLE_KINDS.items() if isinstance(err, cls)), "bundle_error")
+    return InstallRefused(f"bundle refused: {err}", kind=kind, exit_code=err.exit_code)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _empty_slot(name: str) -> dict[str, Any]:
+    return {"bundle": f"{name}/{BUNDLE_NAME}", "sha256": None, "model": None, "state": "empty",
+            "installed_at": None, "job_id": None, "reason": None}
+
+
+def _empty_state() -> dict[str, Any]:
+    return {"version": STATE_VERSION, "primary": None, "slots": {s: _empty_slot(s) for s in SLOTS},
+            "trial": None, "jobs": {}, "history": []}
+
+
+def _check_state(st: Any) -> None:
+    """Schema and invariants; raises ValueError naming the first problem."""
+    if not isinstance(st, dict):
+        raise ValueError("not a JSON object")
+    if st.get("version") != STATE_VERSION:
+        raise ValueError(f"version {st.get('version')!r}, expected {STATE_VERSION}")
+    slots = st.get("slots")
+    if not isinstance(slots, dict) or sorted(slots) != sorted(SLOTS):
+        raise ValueError(f"slots must be exactly {list(SLOTS)}")
+    for name, s in slots.items():
+        if not isinstance(s, dict) or s.get("state") not in SLOT_STATES:
+            raise ValueError(f"slot {name}: bad state {s.get('state') if isinstance(s, dict) else s!r}")
+        if s.get("bundle") != f"{name}/{BUNDLE_NAME}":
+            raise ValueError(f"slot {name}: bundle must be {name}/{BUNDLE_NAME}")
+        if s["state"] in ("trial", "good") and not isinstance(s.get("sha256"), str):
+            raise ValueError(f"slot {name}: {s['state']} without a sha256")
+    primary = st.get("primary")
+    if primary is not None:
+        if primary not in SLOTS:
+            raise ValueError(f"primary {primary!r} is not a slot")
+        if slots[primary]["state"] != "good":
+            raise ValueError(f"primary slot {primary} is {slots[primary]['state']}, not good")
+    trial = st.get("trial")
+    in_trial = [n for n in SLOTS if slots[n]["state"] == "trial"]
+    if trial is None:
+        if in_trial:
+            raise ValueError(f"slot {in_trial[0]} is in trial but no trial is recorded")
+    else:
+        if not isinstance(trial, dict) or trial.get("slot") not in SLOTS:
+            raise ValueError("trial must name a slot")
+        if in_trial != [trial["slot"]]:
+            raise ValueError(f"trial names slot {trial['slot']} but slots in trial are {in_trial}")
+        if trial["slot"] == primary:
+            raise ValueError("the trial slot cannot be primary")
+    if sum(slots[n]["state"] in ("installing", "trial") for n in SLOTS) > 1:
+        raise ValueError("more than one slot is installing or in trial")
+    if not isinstance(st.get("history"), list) or not isinstance(st.get("jobs"), dict):
+        raise ValueError("history must be a list and jobs an object")
+
+
+# ---------------------------------------------------------------------------------- the store
+class SlotStore:
+    """The slot directory and its state machine. Methods re-read state.json under a lock, so
+    several SlotStore objects (threads, processes) on one directory stay consistent.
+
+    ``trusted_keys`` are used when the store must re-verify bundles on its own (rebuilding a lost
+    state.json, adopting current.hmod); ``install`` takes the keys of the job explicitly."""
+
+    def __init__(self, slot_dir: str | os.PathLike, trusted_keys: Iterable[hmod.KeySource] = (),
+                 reserve_bytes: int = DEFAULT_RESERVE) -> None:
+        self.dir = Path(slot_dir)
+        self.trusted_keys = list(trusted_keys)
+        self.reserve_bytes = reserve_bytes
+        self.notes: list[str] = []  # what load()/recover_on_start() had to repair, for the log
+        self._tlock = threading.RLock()
+        self._depth = 0
+        self._state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ paths and locking
+    @property
+    def state_path(self) -> Path:
+        return self.dir / STATE_NAME
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.dir / "staging"
+
+    def bundle_path(self, slot: str) -> Path:
+        self._check_slot(slot)
+        return self.dir / slot / BUNDLE_NAME
+
+    def staging_path(self, job_id: str) -> Path:
+        """Where an update job should assemble its download (install() then moves it, no copy)."""
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(job_id))[:120] or "job"
+        return self.staging_dir / f"{safe}.hmod.part"
+
+    def clean_staging(self, keep_jobs: Iterable[str] = ()) -> list[str]:
+        """Remove staged downloads except those of ``keep_jobs`` (the update job layer decides
+        which downloads are still resumable). Returns the names removed."""
+        keep = {self.staging_path(j).name for j in keep_jobs}
+        gone = []
+        for p in sorted(self.staging_dir.glob("*")):
+            if p.is_file() and p.name not in keep:
+                p.unlink(missing_ok=True)
+                gone.append(p.name)
+        return gone
+
+    @staticmethod
+    def _check_slot(slot: str) -> None:
+        if slot not in SLOTS:
+            raise SlotError(f"unknown slot {slot!r}; slots are {', '.join(SLOTS)}", kind="bad_slot")
+
+    @contextmanager
+    def _locked(self):
+        """Re-entrant: the thread lock, and (outermost only) an flock on <slot_dir>/.lock that
+        serialises writers across processes; the kernel drops it when a process dies."""
+        with self._tlock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._depth = 1
+                yield
+            finally:
+                self._depth = 0
+                os.close(fd)  # releases the flock
+
+    # --------------------------------------------------------------------- reading state
+    def load(self) -> dict[str, Any]:
+        """Read state.json (creating the layout and an empty state if there is none). A corrupt
+        state.json is kept as state.json.corrupt-<time> and the state rebuilt from the bundles on
+        disk; what was done is logged and listed in ``self.notes``. Returns a copy of the state.
+
+        Reading takes no lock (state.json is only ever replaced whole), so the serving loop never
+        waits for an install in progress; only creating or repairing the state does."""
+        try:
+            st = json.loads(self.state_path.read_bytes().decode("utf-8"))
+            _check_state(st)
+        except (OSError, UnicodeDecodeError, ValueError):
+            with self._locked():
+                st = self._read()
+        self._state = st
+        return copy.deepcopy(st)
+
+    def _read(self) -> dict[str, Any]:
+        for d in (self.dir / "a", self.dir / "b", self.staging_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        try:
+            raw = self.state_path.read_bytes()
+        except FileNotFoundError:
+            st = self._initial_state()
+        else:
+            try:
+                st = json.loads(raw.decode("utf-8"))
+                _check_state(st)
+            except (UnicodeDecodeError, ValueError) as e:
+                st = self._recover_corrupt(raw, e)
+        self._state = st
+        return st
+
+    def _initial_state(self) -> dict[str, Any]:
+        st = _empty_state()
+        if any(self.bundle_path(s).exists() for s in SLOTS):
+            self._note("state.json is missing but slot bundles exist: rebuilt the state from disk")
+            st = self._rebuild_from_disk("state.json was missing")
+        elif (self.dir / "current.hmod").is_file():
+            st = self._adopt_current(st)
+        self._write(st, "init")
+        return st
+
+    def _recover_corrupt(self, raw: bytes, err: Exception) -> dict[str, Any]:
+        keep = self.dir / f"{STATE_NAME}.corrupt-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S%f')}"
+        keep.write_bytes(raw)
+        self._note(f"state.json was corrupt ({err}); kept it as {keep.name} and rebuilt the state "
+                   f"from the bundles on disk")
+        st = self._rebuild_from_disk(f"state.json was corrupt ({err})")
+        self._write(st, "rebuild")
+        return st
+
+    def _verify_file(self, p: Path, keys: Iterable[hmod.KeySource]) -> tuple[str, dict[str, Any]]:
+        """(sha256, manifest model) of a bundle that opens, verifies and has a lib for here."""
+        with hmod.open_bundle(p, keys) as b:
+            b.lib_for()
+            model = b.manifest.get("model") or {}
+        return durable.sha256_file(p), {"name": model.get("name"), "version": model.get("version")}
+
+    def _rebuild_from_disk(self, why: str) -> dict[str, Any]:
+        """The state was lost: trust only bundles that verify. Installs always go to the slot
+        that is not primary, so of two valid bundles the older one was committed when the newer
+        one was installed: it becomes primary; the newer one might never have passed its health
+        gate, so it is marked bad (a later install overwrites it)."""
+        st = _empty_state()
+        valid: list[tuple[int, str]] = []
+        for s in SLOTS:
+            p = self.bundle_path(s)
+            if not p.exists():
+                continue
+            try:
+                sha, model = self._verify_file(p, self.trusted_keys)
+            except hmod.BundleError as e:
+                self._set(st, s, "bad", "adopt", f"{why}; bundle does not verify: {e}")
+                self._note(f"slot {s}: bundle does not verify ({e}); marked bad")
+                continue
+            st["slots"][s].update(sha256=sha, model=model, installed_at=durable.now_iso())
+            valid.append((p.stat().st_mtime_ns, s))
+        valid.sort()
+        for i, (_, s) in enumerate(valid):
+            if i == 0:
+                self._set(st, s, "good", "adopt", f"{why}; oldest valid bundle on disk")
+                st["primary"] = s
+                self._note(f"slot {s} is primary again (its bundle verifies)")
+            else:
+                self._set(st, s, "bad", "adopt", f"{why}; newer bundle, not known to be committed")
+                self._note(f"slot {s}: newer bundle, not known to be committed; marked bad")
+        return st
+
+    def _adopt_current(self, st: dict[str, Any]) -> dict[str, Any]:
+        """A directory from before slots (<slot_dir>/current.hmod): copy it into slot a."""
+        src = self.dir / "current.hmod"
+        try:
+            sha, model = self._verify_file(src, self.trusted_keys)
+        except hmod.BundleError as e:
+            self._note(f"current.hmod does not verify ({e}); starting with empty slots")
+            return st
+        self._copy_durably(src, self.bundle_path("a"), sha)
+        st["slots"]["a"].update(sha256=sha, model=model, installed_at=durable.now_iso())
+        self._set(st, "a", "good", "adopt", "adopted current.hmod")
+        st["primary"] = "a"
+        self._note("adopted current.hmod into slot a as primary")
+        return st
+
+    def _note(self, msg: str) -> None:
+        self.notes.append(msg)
+        log.warning("%s: %s", self.dir, msg)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """A copy of the state as last read or written (call load() to re-read)."""
+        if self._state is None:
+            return self.load()
+        return copy.deepcopy(self._state)
+
+    def primary(self) -> str | None:
+        return self.load()["primary"]
+
+    def primary_bundle(self) -> Path | None:
+        st = self.load()
+        return None if st["primary"] is None else self.dir / st["slots"][st["primary"]]["bundle"]
+
+    def inactive_slot(self) -> str:
+        """The slot an install goes to: the one that is not primary (a when there is none)."""
+        primary = self.load()["primary"]
+        return "b" if primary == "a" else "a"
+
+    def trial(self) -> dict[str, Any] | None:
+        return self.load()["trial"]
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        """What became of a job: {"outcome": trial|committed|rolled_back|failed, "slot", "reason",
+        "sha256", "at", "kind"} or None if this store never finished anything for it."""
+        rec = self.load()["jobs"].get(str(job_id))
+        return copy.deepcopy(rec) if rec is not None else None
+
+    def status(self) -> dict[str, Any]:
+        """A compact summary for the agent's status message."""
+        st = self.load()
+        return {"primary": st["primary"], "trial": st["trial"],
+                "slots": {s: {k: v[k] for k in ("state", "model", "sha256", "installed_at", "job_id")}
+                          for s, v in st["slots"].items()}}
+
+    # --------------------------------------------------------------------- writing state
+    def _write(self, st: dict[str, Any], what: str) -> None:
+        """The only way state.json changes: temp file, fsync, atomic rename, fsync the dir."""
+        _check_state(st)
+        st["history"] = st["history"][-HISTORY_MAX:]
+        if len(st["jobs"]) > JOBS_MAX:
+            for old in sorted(st["jobs"], key=lambda j: st["jobs"][j].get("at") or "")[:len(st["jobs"]) - JOBS_MAX]:
+                del st["jobs"][old]
+        data = (json.dumps(st, indent=1, sort_keys=True) + "\n").encode("utf-8")
+        tmp = self.dir / f".{STATE_NAME}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            _step(f"{what}:tmp_written")
+            os.replace(tmp, self.state_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _step(f"{what}:replaced")
+        durable.fsync_dir(self.dir)
+        self._state = st
+
+    def _set(self, st: dict[str, Any], slot: str, to: str, op: str, reason: str,
+             job_id: str | None = None) -> None:
+        """Change one slot's state in ``st`` (not yet written), if the table allows it."""
+        frm = st["slots"][slot]["state"]
+        allowed = TRANSITIONS.get((frm, to), frozenset())
+        if op not in allowed:
+            raise TransitionError(f"slot {slot}: {op} cannot move it from {frm} to {to} "
+                                  f"(allowed from {frm}: "
+                                  f"{', '.join(sorted(f'{t} by {o}' for (f, t), ops in TRANSITIONS.items() if f == frm for o in ops)) or 'nothing'})")
+        if op == "install" and frm == "good" and st["primary"] == slot:
+            raise TransitionError(f"slot {slot} is primary: install only into the other slot")
+        st["slots"][slot]["state"] = to
+        st["slots"][slot]["reason"] = reason
+        st["history"].append({"at": durable.now_iso(), "slot": slot, "from": frm, "to": to, "op": op,
+                              "reason": reason, "job_id": job_id})
+
+    @staticmethod
+    def _record_job(st: dict[str, Any], job_id: str, outcome: str, slot: str | None,
+                    reason: str | None, sha: str | None = None, kind: str | None = None) -> None:
+        st["jobs"][str(job_id)] = {"outcome": outcome, "slot": slot, "reason": reason,
+                                   "sha256": sha, "kind": kind, "at": durable.now_iso()}
+
+    # -------------------------------------------------------------------------- install
+    def install(self, source: SourceLike, job_id: str, trusted_keys: Iterable[hmod.KeySource] = (),
+                expected_sha256: str | None = None, size: int | None = None) -> str:
+        """Install a bundle into the inactive slot and start its trial; returns the slot name.
+
+        ``source`` is a path (a file in staging_dir() is moved, anything else copied) or a
+        binary stream (written to staging first; ``size``, if known, is checked against the free
+        space up front). Before anything is written: signature against ``trusted_keys``, every
+        sha256, the format version, a lib for this machine, ``expected_sha256`` of the whole
+        file, and the free space. Refusals raise InstallRefused (``kind`` says why) and leave
+        the running slot untouched.
+
+        Idempotent: a job_id that already reached trial (or later) returns its slot without
+        doing anything; one that was refused raises the same refusal again (``repeated``)."""
+        job_id = str(job_id)
+        keys = list(trusted_keys)
+        with self._locked():
+            st = self._read()
+            done = st["jobs"].get(job_id)
+            if done is not None:
+                return self._repeat(job_id, done)
+            for s in SLOTS:  # an install that died without recover_on_start(): forget it
+                if st["slots"][s]["state"] == "installing":
+                    self._forget_install(st, s, "an earlier install was interrupted")
+                    self._write(st, "recover")
+            if st["trial"] is not None:
+                t = st["trial"]
+                raise Busy(f"job {t.get('job_id')} is in trial on slot {t['slot']}; "
+                           f"commit or roll it back before job {job_id}")
+            slot = "b" if st["primary"] == "a" else "a"
+            try:
+                return self._install(st, slot, source, job_id, keys, expected_sha256, size)
+            except InstallRefused as e:
+                self._fail_job(job_id, e)
+                raise
+
+    def _repeat(self, job_id: str, done: dict[str, Any]) -> str:
+        if done["outcome"] == "failed" or done.get("slot") is None:
+            e = InstallRefused(done.get("reason") or "refused", kind=done.get("kind") or "install_refused")
+            e.repeated = True
+            raise e
+        log.info("job %s already done (%s on slot %s): nothing to do", job_id, done["outcome"], done["slot"])
+        return done["slot"]
+
+    def _fail_job(self, job_id: str, e: InstallRefused) -> None:
+        """Record a refusal so that the same job gets the same answer; transient refusals (disk
+        space, I/O) are not recorded, so a retry of the job may succeed later."""
+        if e.kind in ("no_space", "io_error"):
+            return
+        try:
+            st = self._read()
+            self._record_job(st, job_id, "failed", None, str(e), kind=e.kind)
+            self._write(st, "refused")
+        except OSError as err:  # e.g. the disk is full: the refusal itself still stands
+            log.warning("could not record the refusal of job %s: %s", job_id, err)
+
+    def _install(self, st: dict[str, Any], slot: str, source: SourceLike, job_id: str,
+                 keys: list, expected_sha256: str | None, size: int | None) -> str:
+        staged: Path | None = None
+        owns_staged = False
+        if hasattr(source, "read"):
+            # not staging_path(): the caller may be streaming from that very file
+            staged = self.staging_path(job_id).with_suffix(".stream")
+            owns_staged = True
+            if size is not None:
+                self._check_space(st, slot, size)
+            self._stream_to(source, staged)
+            _step("install:staged")
+            src = staged
+        else:
+            src = Path(source)
+            if src.resolve().parent == self.staging_dir.resolve():
+                staged = src  # already on this filesystem: moved, not copied
+        try:
+            # 1. verify everything before anything is written to a slot
+            try:
+                file_sha, model = self._verify_file(src, keys)
+            except hmod.BundleError as e:
+                raise _refusal_from(e) from None
+            if expected_sha256 and file_sha != expected_sha256.lower():
+                raise InstallRefused(f"bundle sha256 {file_sha[:16]}... differs from the job's "
+                                     f"{expected_sha256[:16]}...", kind="sha256_mismatch")
+            _step("install:verified")
+            # 2. room for it (a move needs none)
+            need = 0 if staged is not None else src.stat().st_size
+            self._check_space(st, slot, need)
+            # 3. the slot is being overwritten: say so durably before touching its file
+            self._set(st, slot, "installing", "install", f"installing job {job_id}", job_id)
+            st["slots"][slot].update(sha256=None, model=None, installed_at=None, job_id=job_id)
+            self._write(st, "installing")
+            dst = self.bundle_path(slot)
+            try:
+                if dst.exists():
+                    dst.unlink()  # frees its space before the copy (it is no longer referenced)
+                    durable.fsync_dir(dst.parent)
+                    _step("install:reclaimed")
+                if staged is not None:
+                    os.replace(staged, dst)
+                    durable.fsync_dir(staged.parent)
+                    durable.fsync_dir(dst.parent)
+                    owns_staged = False
+                    if durable.sha256_file(dst) != file_sha:
+                        raise InstallRefused("the staged bundle changed while it was installed",
+                                             kind="hash_mismatch")
+                else:
+                    self._copy_durably(src, dst, file_sha)
+                _step("install:copy_renamed")
+            except BaseException as e:
+                self._abort_install(slot, job_id, e)
+                if isinstance(e, OSError):
+                    kind = "no_space" if e.errno == durable.NO_SPACE else "io_error"
+                    raise InstallRefused(f"cannot write the bundle into slot {slot}: "
+                                         f"{e.strerror or e}", kind=kind) from None
+                raise
+            # 4. trial: the new slot is on disk; the primary is still the old one
+            st = self._read()
+            self._set(st, slot, "trial", "install", f"installed by job {job_id}", job_id)
+            st["slots"][slot].update(sha256=file_sha, model=model, installed_at=durable.now_iso(), job_id=job_id)
+            st["trial"] = {"slot": slot, "job_id": job_id, "started_at": durable.now_iso(), "previous": st["primary"]}
+            self._record_job(st, job_id, "trial", slot, None, file_sha)
+            self._write(st, "trial")
+            log.info("job %s: %s installed in slot %s, in trial", job_id, model, slot)
+            return slot
+        finally:
+            if owns_staged and staged is not None:
+                staged.unlink(missing_ok=True)
+
+    def _abort_install(self, slot: str, job_id: str, err: BaseException) -> None:
+        """installing -> empty after a failed write; the primary was never touched."""
+        try:
+            self.bundle_path(slot).unlink(missing_ok=True)
+            for t in (self.dir / slot).glob(".*.tmp"):
+                t.unlink(missing_ok=True)
+            st = self._read()
+            if st["slots"][slot]["state"] == "installing":
+                self._set(st, slot, "empty", "install_failed", f"job {job_id} failed: {err}", job_id)
+                self._write(st, "install_failed")
+        except OSError as e2:  # recover_on_start finishes this on the next start
+            log.warning("slot %s: could not clean up after a failed install: %s", slot, e2)
+
+    def _check_space(self, st: dict[str, Any], slot: str, need: int) -> None:
+        free = shutil.disk_usage(self.dir).free
+        reclaim = 0
+        old = self.bundle_path(slot)
+        if old.exists():
+            reclaim = old.stat().st_size  # the inactive slot's old bundle is overwritten
+        if need + self.reserve_bytes > free + reclaim:
+            mib = 1024 * 1024
+            raise InstallRefused(
+                f"not enough disk space in {self.dir}: the bundle needs {need / mib:.2f} MiB plus "
+                f"{self.reserve_bytes / mib:.2f} MiB reserve, {free / mib:.2f} MiB free"
+                + (f" (+{reclaim / mib:.2f} MiB from slot {slot}'s old bundle)" if reclaim else "")
+                + "; the running model is untouched", kind="no_space")
+
+    def _stream_to(self, stream: IO[bytes], dst: Path) -> None:
+        tmp = dst.with_name(dst.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                while chunk := stream.read(_CHUNK):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dst)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            dst.unlink(missing_ok=True)
+            kind = "no_space" if e.errno == durable.NO_SPACE else "io_error"
+            raise InstallRefused(f"cannot stage the bundle in {dst.parent}: {e.strerror or e}; "
+                                 f"the running model is untouched", kind=kind) from None
+
+    @staticmethod
+    def _copy_durably(src: Path, dst: Path, want_sha: str) -> None:
+        """Copy to a temp file beside dst, fsync, check it is the verified bytes, rename, fsync."""
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        try:
+            h = hashlib.sha256()
+            with open(src, "rb") as sf, open(tmp, "wb") as df:
+                while chunk := sf.read(_CHUNK):
+                    h.update(chunk)
+                    df.write(chunk)
+                df.flush()
+                _step("install:copy_written")
+                os.fsync(df.fileno())
+            if h.hexdigest() != want_sha:
+                raise InstallRefused(f"{src} changed between verification and copy",
+                                     kind="hash_mismatch")
+            _step("install:copy_synced")
+            os.replace(tmp, dst)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        durable.fsync_dir(dst.parent)
+
+    # ------------------------------------------------------------------ commit / rollback
+    def mark_good(self, slot: str, reason: str = "marked good") -> dict[str, Any]:
+        """The trial slot ``slot`` passed: it becomes primary (RAUC's mark-good)."""
+        self._check_slot(slot)
+        return self._commit(slot, reason)
+
+    def commit(self, reason: str = "committed") -> dict[str, Any]:
+        """Commit the trial in progress: its slot becomes primary, state good. Returns the state."""
+        return self._commit(None, reason)
+
+    def _commit(self, slot: str | None, reason: str) -> dict[str, Any]:
+        with self._locked():
+            st = self._read()
+            trial = st["trial"]
+            if trial is None:
+                raise TransitionError("no trial in progress: nothing to commit"
+                                      + (f" (slot {slot} is {st['slots'][slot]['state']})" if slot else ""))
+            if slot is not None and slot != trial["slot"]:
+                raise TransitionError(f"slot {slot} is not in trial (slot {trial['slot']} is)")
+            s = trial["slot"]
+            _step("commit:begin")
+            self._set(st, s, "good", "commit", reason, trial.get("job_id"))
+            st["primary"] = s
+            st["trial"] = None
+            if trial.get("job_id") is not None:
+                self._record_job(st, trial["job_id"], "committed", s, reason, st["slots"][s]["sha256"])
+            self._write(st, "commit")
+            log.info("slot %s committed (%s)", s, reason)
+            return copy.deepcopy(st)
+
+    def rollback(self, reason: str) -> dict[str, Any]:
+        """Undo the trial in progress (its slot becomes bad; the primary stays the previous slot),
+        or, with no trial, undo the last commit: the primary becomes bad and the other slot,
+        which must be good, becomes primary again. Returns the state."""
+        with self._locked():
+            st = self._read()
+            trial = st["trial"]
+            if trial is not None:
+                s = trial["slot"]
+                self._set(st, s, "bad", "rollback", reason, trial.get("job_id"))
+                st["trial"] = None
+                if trial.get("job_id") is not None:
+                    self._record_job(st, trial["job_id"], "rolled_back", s, reason,
+                                     st["slots"][s]["sha256"])
+                self._write(st, "rollback")
+                log.warning("slot %s rolled back: %s", s, reason)
+                return copy.deepcopy(st)
+            cur = st["primary"]
+            other = "b" if cur == "a" else "a"
+            if cur is None or st["slots"][other]["state"] != "good":
+                raise TransitionError("nothing to roll back: no trial in progress and no good "
+                                      "previous slot" + (f" (slot {other} is {st['slots'][other]['state']})"
+                                                         if cur else ""))
+            self._set(st, cur, "bad", "rollback", reason, st["slots"][cur].get("job_id"))
+            st["primary"] = other
+            job = st["slots"][cur].get("job_id")
+            if job is not None and job in st["jobs"]:
+                self._record_job(st, job, "rolled_back", cur, reason, st["slots"][cur]["sha256"])
+            self._write(st, "rollback")
+            log.warning("slot %s rolled back to slot %s: %s", cur, other, reason)
+            return copy.deepcopy(st)
+
+    # ------------------------------------------------------------------------- recovery
+    def recover_on_start(self, verify: bool = True) -> list[str]:
+        """Call once when the agent starts, before serving. Rolls back a trial that was never
+        committed, forgets an install that never finished, removes temp files, and (``verify``)
+        checks that the primary's bundle is still the one recorded, falling back to the other
+        good slot if not. Returns what it did (also logged), empty when nothing was needed."""
+        with self._locked():
+            self.notes = []
+            st = self._read()
+            done = list(self.notes)
+            changed = False
+            for s in SLOTS:
+                for t in (self.dir / s).glob(".*.tmp"):
+                    t.unlink(missing_ok=True)
+                    done.append(f"removed the temp file {s}/{t.name}")
+            for t in self.dir.glob(f".{STATE_NAME}.*.tmp"):
+                t.unlink(missing_ok=True)
+            for pattern in ("*.tmp", "*.stream"):  # ours: a stream being staged by install()
+                for t in self.staging_dir.glob(pattern):
+                    t.unlink(missing_ok=True)
+                    done.append(f"removed the staged file staging/{t.name}")
+            for s in SLOTS:
+                if st["slots"][s]["state"] == "installing":
+                    job = self._forget_install(st, s, "the install was interrupted (agent restarted)")
+                    done.append(f"slot {s}: install of job {job} was interrupted; slot emptied")
+                    changed = True
+            trial = st["trial"]
+            if trial is not None:
+                s = trial["slot"]
+                reason = "the agent restarted before the trial was committed"
+                self._set(st, s, "bad", "recover", reason, trial.get("job_id"))
+                st["trial"] = None
+                if trial.get("job_id") is not None:
+                    self._record_job(st, trial["job_id"], "rolled_back", s, reason, st["slots"][s]["sha256"])
+                done.append(f"slot {s}: trial of job {trial.get('job_id')} rolled back ({reason})")
+                changed = True
+            if verify:
+                changed |= self._verify_primary(st, done)
+            if changed:
+                self._write(st, "recover")
+            for msg in done[len(self.notes):]:
+                log.warning("%s: %s", self.dir, msg)
+            return done
+
+    def _forget_install(self, st: dict[str, Any], s: str, reason: str) -> str | None:
+        """installing -> empty in ``st`` (not yet written); removes the half-written bundle."""
+        slot = st["slots"][s]
+        job = slot.get("job_id")
+        self.bundle_path(s).unlink(missing_ok=True)
+        for t in (self.dir / s).glob(".*.tmp"):
+            t.unlink(missing_ok=True)
+        self._set(st, s, "empty", "recover", reason, job)
+        slot.update(sha256=None, model=None, installed_at=None)
+        return job
+
+    def _verify_primary(self, st: dict[str, Any], done: list[str]) -> bool:
+        changed = False
+        for _ in SLOTS:  # at most one fallback per slot
+            cur = st["primary"]
+            if cur is None:
+                return changed
+            p = self.bundle_path(cur)
+            want = st["slots"][cur]["sha256"]
+            try:
+                got = durable.sha256_file(p)
+                problem = None if got == want else f"its bundle's sha256 is {got[:16]}..., recorded {want[:16]}..."
+            except OSError as e:
+                problem = f"its bundle is unreadable ({e.strerror or e})"
+            if problem is None:
+                return changed
+            self._set(st, cur, "bad", "recover", f"primary bundle damaged: {problem}")
+            other = "b" if cur == "a" else "a"
+            st["primary"] = other if st["slots"][other]["state"] == "good" else None
+            done.append(f"slot {cur}: {problem}; marked bad, primary is now {st['primary']}")
+            changed = True
+        return changed

@@ -1,0 +1,406 @@
+"""`tandoor`: the host-side tools (compile, inspect, verify, keygen)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from tandoor_contract import hmod
+
+from tandoor_compiler.errors import CompileError
+from tandoor_contract import orders
+
+
+def _fail(err: Exception) -> None:
+    click.echo(f"tandoor: error: {err}", err=True)
+    sys.exit(getattr(err, "exit_code", 2))
+
+
+def _floats(text: str | None, opt: str) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise CompileError(f"{opt} '{text}': expected comma-separated numbers such as 0.485,0.456,0.406") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tandoor")
+def main() -> None:
+    """Tandoor: compile ONNX vision models into ACL-partitioned hybrid modules for ARM boards."""
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Bundle to write (.hmod). Written atomically: a failed compile leaves nothing there.")
+@click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224",
+              help="Pin an input's shape (repeatable). Default: the model's static shape.")
+@click.option("--target", "targets", multiple=True, metavar="NAME",
+              help="host, aarch64, rk3588, jetson-orin, rpi5 (repeatable). host is always included.")
+@click.option("--key", type=click.Path(dir_okay=False, path_type=Path), help="Ed25519 private key (tandoor keygen) to sign with.")
+@click.option("--labels", type=click.Path(dir_okay=False, path_type=Path), help="Class labels, one per line.")
+@click.option("--mean", help="Per-channel mean, e.g. 0.485,0.456,0.406 (0..1 units) or 127,127,127 (pixel units).")
+@click.option("--std", help="Per-channel std, same units as --mean.")
+@click.option("--layout", type=click.Choice(["NCHW", "NHWC"]), default="NCHW", show_default=True, help="Input image layout.")
+@click.option("--bgr", is_flag=True, help="The model expects BGR channel order.")
+@click.option("--policy", type=click.Choice(["cost", "all", "none"]), default="cost", show_default=True,
+              help="cost: delegate a subgraph only when its gain beats its boundary cost (compiler/cost.py); "
+                   "all: every supported op; none: nothing (TVM only, for benchmarks).")
+@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
+              help="A profile from 'tandoor profile': measured times over estimates, executor chosen per subgraph. "
+                   "Refused when its key (model, shapes, library versions) does not match.")
+@click.option("--name", help="Model name in the manifest (default: from the ONNX graph or file name).")
+@click.option("--model-version", "version", default="1", show_default=True, help="Model version in the manifest.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version, quiet):
+    """Compile MODEL.onnx into a hybrid module bundle."""
+    from rich.console import Console
+
+    from tandoor_compiler.pipeline import Options, compile_model
+
+    console = Console(stderr=True, quiet=quiet)
+    try:
+        opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
+                       layout, bgr, policy, name, version, profile)
+        with console.status("compiling") as status:
+            def progress(msg: str) -> None:
+                status.update(msg)
+                console.log(msg)
+            manifest = compile_model(model, out, opts, progress)
+    except (CompileError, hmod.BundleError) as err:
+        _fail(err)
+    console.print(
+        f"[green]wrote[/] {out}: {manifest['ops_delegated']}/{manifest['ops_total']} ops to ACL "
+        f"(ratio {manifest['delegation_ratio']:.2f}) in {sum(p['delegate'] for p in manifest['partitions'])} subgraph(s), "
+        f"targets {', '.join(manifest['targets'])}, predicted speedup {manifest['predicted_speedup']:.2f}x"
+        + (", signed" if key else "")
+    )
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--graph", type=click.Path(dir_okay=False, path_type=Path), help="Draw the partitioned graph (SVG).")
+def inspect(bundle, as_json, graph):
+    """Show what runs where: ACL subgraphs, ops left to TVM and why, ratio, predicted speedup."""
+    from tandoor_compiler import report
+
+    try:
+        with hmod.open_bundle(bundle) as b:
+            info = report.summary(b)
+            if graph:
+                report.draw_svg(b, graph)
+    except (CompileError, hmod.BundleError) as err:
+        _fail(err)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        report.print_summary(info)
+        if graph:
+            click.echo(f"graph written to {graph}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--reference", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The source ONNX model.")
+@click.option("--delegate", type=click.Choice(("auto", *orders.EXECUTORS)), default="onnxruntime",
+              show_default=True, help="Executor for the delegated subgraphs.")
+@click.option("--random", "n_random", default=3, show_default=True, help="Random inputs besides the golden ones.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def verify(bundle, reference, delegate, n_random, as_json):
+    """Run the bundle's host lib against MODEL.onnx in onnxruntime; exit 1 past tolerance."""
+    from .verify import verify as run_verify
+
+    try:
+        res = run_verify(bundle, reference, delegate=delegate, random_inputs=n_random)
+    except (CompileError, hmod.BundleError) as err:
+        _fail(err)
+    except Exception as err:  # runtime errors from the agent side, with their own exit codes
+        _fail(err)
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+    else:
+        if not res["reference_matches_source"]:
+            click.echo("warning: the reference is not the file this bundle was compiled from (sha256 differs)", err=True)
+        for c in res["cases"]:
+            click.echo(f"  {c['kind']:7s} max abs {c['max_abs_err']:.3g}  max rel {c['max_rel_err']:.3g}  {'ok' if c['ok'] else 'FAIL'}")
+        for s in res["subgraphs"]:
+            click.echo(f"  {s['symbol']}: {s['executor']} ({s['backend']})")
+        verdict = "PASS" if res["ok"] else "FAIL"
+        click.echo(f"{verdict}: max abs err {res['max_abs_err']:.3g}, max rel err {res['max_rel_err']:.3g} "
+                   f"(atol {res['atol']}, rtol {res['rtol']})")
+    sys.exit(0 if res["ok"] else 1)
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224", help="Pin an input's shape (repeatable).")
+@click.option("--runs", default=20, show_default=True, help="Timed runs per path (medians are reported).")
+@click.option("--warmup", default=5, show_default=True, help="Warm-up runs per path, not timed.")
+@click.option("--policy", type=click.Choice(["cost", "all"]), default="cost", show_default=True,
+              help="Compile policy of the hybrid module.")
+@click.option("--executor", "executors", multiple=True, type=click.Choice(orders.EXECUTORS),
+              help="Hybrid executors to measure (repeatable). Default: every available one.")
+@click.option("--armnn", "include_armnn", is_flag=True,
+              help="Include Arm NN even when it has only CpuRef (a reference implementation, seconds per inference).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write the latency breakdown as a PNG.")
+def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json, plot):
+    """onnxruntime vs TVM only vs the hybrid module per executor, in one process."""
+    from rich.console import Console
+
+    from . import bench as bench_mod
+
+    console = Console(stderr=True, quiet=as_json)
+    try:
+        with console.status("benchmarking") as status:
+            def progress(msg: str) -> None:
+                status.update(msg)
+                console.log(msg)
+            res = bench_mod.run(model, inputs, runs=runs, warmup=warmup, policy=policy, include_armnn=include_armnn,
+                                executors=tuple(executors) or None, progress=progress)
+        if plot:
+            bench_mod.plot(res, plot)
+    except (CompileError, hmod.BundleError) as err:
+        _fail(err)
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+    else:
+        bench_mod.print_table(res)
+        if plot:
+            click.echo(f"plot written to {plot}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the profile here (for 'tandoor compile --profile').")
+@click.option("--runs", default=20, show_default=True, help="Timed runs per measurement (fewer for calls > 0.25 s).")
+@click.option("--warmup", default=5, show_default=True, help="Warm-up runs, not timed.")
+@click.option("--executor", "executors", multiple=True, type=click.Choice(orders.EXECUTORS),
+              help="Executors to measure (repeatable). Default: all; the unavailable ones are reported.")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+def profile(bundle, out, runs, warmup, executors, as_json):
+    """Measure every subgraph of BUNDLE on every executor and the TVM side, on this machine."""
+    from rich.console import Console
+
+    from tandoor_agent.run import profile as prof
+
+    console = Console(stderr=True, quiet=as_json)
+    try:
+        with console.status("profiling") as status:
+            def progress(msg: str) -> None:
+                status.update(msg)
+                console.log(msg)
+            res = prof.measure(bundle, runs=runs, warmup=warmup, executors=tuple(executors) or prof.EXECUTORS,
+                               progress=progress)
+        if out:
+            prof.write(res, out)
+    except (CompileError, hmod.BundleError) as err:
+        _fail(err)
+    except OSError as err:
+        _fail(CompileError(f"cannot write {out}: {err.strerror}"))
+    if as_json:
+        click.echo(json.dumps(res, indent=2, sort_keys=True))
+        return
+    from rich.table import Table
+
+    k = res["key"]
+    c = Console()
+    c.print(f"[bold]{k['model']}[/] on {k['board']} (bundle sha256 {k['bundle_sha256'][:12]}…, "
+            + ", ".join(f"{n} {v}" for n, v in k["libraries"].items() if v and n != "armnn_backends") + ")")
+    t = Table(title="per subgraph, median us")
+    for col in ("subgraph", "ops", "TVM", "onnxruntime", "armnn", "bridge (ort / armnn)", "unavailable"):
+        t.add_column(col)
+    for sym, s in res["subgraphs"].items():
+        ex, br = s["exec_us"], s["bridge_us"]
+        t.add_row(sym, str(len(s["ops"])), f"{s.get('tvm_us', float('nan')):.1f}",
+                  f"{ex['onnxruntime']:.1f}" if "onnxruntime" in ex else "-",
+                  f"{ex['armnn']:.1f} ({s['backend']['armnn']})" if "armnn" in ex else "-",
+                  f"{br.get('onnxruntime', float('nan')):.1f} / {br.get('armnn', float('nan')):.1f}",
+                  "; ".join(f"{e}: {w}" for e, w in s["unavailable"].items()))
+    c.print(t)
+    for e, v in res["model"].items():
+        if isinstance(v, dict) and "total_us" in v:
+            c.print(f"whole model with {e}: {v['total_us'] / 1e3:.2f} ms (delegated {v['delegated_us'] / 1e3:.2f} ms, "
+                    f"TVM side {v['tvm_side_us'] / 1e3:.2f} ms)")
+    if out:
+        c.print(f"profile written to {out}")
+
+
+@main.command()
+@click.option("-o", "--output", "out", default="tandoor-key", show_default=True,
+              help="Writes OUT.pem (private, keep it secret) and OUT.pub.pem (give to devices).")
+def keygen(out):
+    """Make an Ed25519 key pair for signing bundles."""
+    priv, pub = Path(f"{out}.pem"), Path(f"{out}.pub.pem")
+    try:
+        fp = hmod.generate_keypair(priv, pub)
+    except hmod.BundleError as err:
+        _fail(err)
+    click.echo(f"wrote {priv} (private) and {pub} (public), fingerprint {fp}")
+
+
+
+# ------------------------------------------------------------------------------------ fleet
+def _broker_options(f):
+    f = click.option("--prefix", default="tandoor", show_default=True, help="Topic prefix (broker.topic_prefix).")(f)
+    f = click.option("--cafile", type=click.Path(exists=True, dir_okay=False),
+                     help="CA (PEM) that signed the broker's TLS certificate (a private CA); "
+                          "default with mqtts://: the system CAs.")(f)
+    f = click.option("--broker", envvar="TANDOOR_BROKER", default="mqtt://localhost:1883", show_default=True,
+                     help="mqtt[s]://user:pass@host:port (or $TANDOOR_BROKER).")(f)
+    return f
+
+
+def _fleet(broker, cafile, prefix):
+    from tandoor_fleet.rollout import Fleet, FleetError
+
+    try:
+        return Fleet(broker, cafile=cafile, prefix=prefix,
+                     log=lambda m: click.echo(m, err=True)).connect()
+    except (FleetError, OSError) as err:
+        click.echo(f"tandoor: error: {err}", err=True)
+        sys.exit(2)
+
+
+def _device_list(devices: str | None) -> list[str] | None:
+    return [d.strip() for d in devices.split(",") if d.strip()] if devices else None
+
+
+@main.group()
+def fleet():
+    """Fleet model updates over MQTT (docs/fleet.md): devices, deploy, status, rollback."""
+
+
+@fleet.command("devices")
+@_broker_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--wait", default=1.0, show_default=True, help="Seconds to collect retained status messages.")
+def fleet_devices(broker, cafile, prefix, as_json, wait):
+    """Devices from their retained status: online, state, model, slot, last update job."""
+    f = _fleet(broker, cafile, prefix)
+    try:
+        devs = f.devices(wait=wait)
+    finally:
+        f.close()
+    if as_json:
+        click.echo(json.dumps(devs, indent=2))
+        return
+    for d, s in devs.items():
+        m = s.get("model") or {}
+        job = s.get("last_job") or {}
+        click.echo(f"{d:24s} {'online ' if s.get('online') else 'offline'} {str(s.get('state')):9s} "
+                   f"{m.get('name')} v{m.get('version')} slot {s.get('slot')} "
+                   f"sha {str(m.get('sha256'))[:12]}  last job: {job.get('job_id')} {job.get('state') or ''}")
+    if not devs:
+        click.echo("no devices (no retained status under the prefix)", err=True)
+
+
+@fleet.command("deploy")
+@click.argument("bundle", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_broker_options
+@click.option("--devices", help="Comma-separated device ids.")
+@click.option("--all", "all_", is_flag=True, help="Every device whose retained status is online.")
+@click.option("--canary", default="0", show_default=True, help="Canary share first, e.g. 10% (at least one device).")
+@click.option("--max-failures", default=0, show_default=True, help="Abort the remaining devices when more fail.")
+@click.option("--latency-budget-ms", type=float, help="p95 budget: the device health gate and the canary check.")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds for the whole rollout (the job deadline).")
+@click.option("--wave-size", default=0, show_default=True, help="Devices per wave after the canaries (0: all).")
+@click.option("--chunk-size", default=64 * 1024, show_default=True, help="Bytes per chunk message.")
+@click.option("--health-frames", default=20, show_default=True, help="Frames the device health gate runs.")
+@click.option("--job-id", help="Job id (default: <model>-v<version>-<sha8>-<time>); the same id again is a no-op.")
+@click.option("--canary-soak", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds the canaries serve the new model before their telemetry p95 (inference, every "
+                   "frame since the swap) is checked against --latency-budget-ms; give it a few telemetry "
+                   "periods. Without telemetry: the p95 of the device health gate.")
+@click.option("--json", "as_json", is_flag=True, help="Per device: final state and reason, as JSON.")
+def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_failures, latency_budget_ms, timeout,
+                 wave_size, chunk_size, health_frames, job_id, canary_soak, as_json):
+    """Staged rollout of BUNDLE: canaries, then waves; stops on failures or a p95 regression.
+
+    Exit code 0 when every device committed, 1 otherwise, 2 on usage/connection errors."""
+    from tandoor_fleet.rollout import FleetError
+
+    if bool(devices) == bool(all_):
+        click.echo("tandoor: error: give exactly one of --devices a,b or --all", err=True)
+        sys.exit(2)
+    try:
+        pct = float(str(canary).rstrip("%"))
+    except ValueError:
+        click.echo(f"tandoor: error: --canary {canary!r}: expected a percentage such as 10%", err=True)
+        sys.exit(2)
+    f = _fleet(broker, cafile, prefix)
+    t0 = __import__("time").monotonic()
+
+    def progress(msg):
+        click.echo(f"[{__import__('time').monotonic() - t0:6.1f}s] {msg}", err=True)
+
+    try:
+        res = f.deploy(bundle, _device_list(devices), canary_pct=pct, max_failures=max_failures,
+                       latency_budget_ms=latency_budget_ms, timeout=timeout, job_id=job_id, chunk_size=chunk_size,
+                       health_frames=health_frames, wave_size=wave_size, canary_soak_s=canary_soak,
+                       progress=progress)
+    except FleetError as err:
+        click.echo(f"tandoor: error: {err}", err=True)
+        sys.exit(2)
+    finally:
+        f.close()
+    if as_json:
+        click.echo(json.dumps(res, indent=2, default=str))
+    else:
+        for d, r in res["devices"].items():
+            click.echo(f"{d:24s} {r['state']:12s} {r.get('reason') or ''}")
+        click.echo(f"job {res['job_id']}: " + ", ".join(f"{v} {k}" for k, v in sorted(res["counts"].items()))
+                   + f" in {res['seconds']:.1f} s" + (f"; aborted: {res['aborted']}" if res["aborted"] else ""))
+    sys.exit(0 if all(r["state"] == "committed" for r in res["devices"].values()) else 1)
+
+
+@fleet.command("status")
+@click.argument("job")
+@_broker_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--wait", default=1.0, show_default=True, help="Seconds to collect retained acks.")
+def fleet_status(job, broker, cafile, prefix, as_json, wait):
+    """The last ack of JOB per device (from the retained update/ack topics)."""
+    f = _fleet(broker, cafile, prefix)
+    try:
+        st = f.job_status(job, wait=wait)
+    finally:
+        f.close()
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    for d, a in st.items():
+        click.echo(f"{d:24s} {a.get('state'):12s} {a.get('reason') or ''}")
+    if not st:
+        click.echo(f"no device reports job {job}", err=True)
+
+
+@fleet.command("rollback")
+@_broker_options
+@click.option("--devices", required=True, help="Comma-separated device ids.")
+@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for the answers.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def fleet_rollback(broker, cafile, prefix, devices, timeout, as_json):
+    """Roll the devices back to their previous good slot (the `rollback` command)."""
+    f = _fleet(broker, cafile, prefix)
+    try:
+        out = f.command(_device_list(devices), "rollback", timeout=timeout)
+    finally:
+        f.close()
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+    else:
+        for d, r in out.items():
+            click.echo(f"{d:24s} {'ok' if r.get('ok') else 'FAILED'} {r.get('result') or r.get('error')}")
+    sys.exit(0 if all(r.get("ok") for r in out.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""`tandoor-agent run` on real bundles, in subprocesses: bad bundles refused with their own exit
+code and a one-line reason before anything from them runs; every zoo model through every
+executor against its golden output; fallback when Arm NN cannot build an order; the per-subgraph
+report (executor, backend, bridge overhead, zero-copy)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import stat
+import subprocess
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from support.bundle_edit import rewrite, stderr_imports
+from support.cli import BIN, compiled, manifest_of, run_cli
+from tandoor_contract import hmod
+from tandoor_agent.run.executors import armnn as armnn_ex
+from tandoor_agent.run.runtime import RuntimeError_
+from tandoor_zoo import models as zoo
+
+ATOL = RTOL = 1e-3
+HEAVY = ("tvm", "tvm_ffi", "onnxruntime", "pyarmnn")  # nothing of these may load for a refused bundle
+ARMNN_OK, ARMNN_WHY = armnn_ex.available()
+needs_armnn = pytest.mark.skipif(not ARMNN_OK, reason=ARMNN_WHY)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+def agent(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the real `tandoor-agent` console script."""
+    cmd = [str(BIN / "tandoor-agent"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+
+def refused(bundle: Path, *extra: str, cwd: Path | None = None) -> tuple[int, str]:
+    """Run the agent on a bad bundle with Python's import profiler on: returns (exit code, the one
+    error line), after checking that stderr has nothing else and nothing heavy was imported."""
+    env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")
+    res = agent("run", str(bundle), "--json", *extra, env=env, cwd=cwd)
+    imported, other = stderr_imports(res.stderr)
+    assert res.stdout == "", res.stdout
+    assert len(other) == 1, res.stderr
+    assert other[0].startswith("tandoor-agent: error: "), other
+    loaded = sorted(imported & set(HEAVY))
+    assert not loaded, f"refused bundle still imported {loaded}"
+    return res.returncode, other[0]
+
+
+def data_offset(path: Path, member: str) -> tuple[int, int]:
+    """(offset in the file, size) of a stored member's bytes."""
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(member)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+    name_len = int.from_bytes(local[26:28], "little")
+    extra_len = int.from_bytes(local[28:30], "little")
+    return info.header_offset + 30 + name_len + extra_len, info.compress_size
+
+
+def flip_byte(src: Path, dst: Path, member: str) -> Path:
+    off, size = data_offset(src, member)
+    data = bytearray(src.read_bytes())
+    data[off + size // 2] ^= 0x40
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def add_raw_entry(src: Path, dst: Path, info: zipfile.ZipInfo, data: bytes) -> Path:
+    shutil.copyfile(src, dst)
+    with zipfile.ZipFile(dst, "a") as z:
+        z.writestr(info, data)
+    return dst
+
+
+def golden(path: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    with zipfile.ZipFile(path) as z:
+        g = json.loads(z.read(hmod.MANIFEST))["golden"][0]
+        load = lambda n: np.load(io.BytesIO(z.read(n)), allow_pickle=False)  # noqa: E731
+        return [load(n) for n in g["inputs"]], [load(n) for n in g["outputs"]]
+
+
+def close(got: np.ndarray, want: np.ndarray) -> tuple[bool, float]:
+    got = np.asarray(got).reshape(want.shape)
+    return bool(np.allclose(got, want, atol=ATOL, rtol=RTOL)), float(np.abs(got - want).max())
+
+
+def run_json(bundle: Path, tmp: Path, *extra: str) -> tuple[dict, list[np.ndarray], str]:
+    outdir = tmp / "outs"
+    res = agent("run", str(bundle), "--json", "--save-outputs", str(outdir), *extra)
+    assert res.returncode == 0, res.stderr
+    n = len(manifest_of(bundle)["outputs"])
+    return json.loads(res.stdout), [np.load(outdir / f"output_{j}.npy") for j in range(n)], res.stderr
+
+
+# --- fixtures: real bundles --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base(bundles_dir) -> Path:
+    """with_unsupported_middle for host + aarch64 (shared with tests/test_compiler.py): two orders."""
+    return compiled("with_unsupported_middle", zoo.with_unsupported_middle(), bundles_dir)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("keys")
+    for k in ("k1", "k2"):
+        run_cli("tandoor", "keygen", "-o", str(d / k), check=True)
+    return {"k1": d / "k1.pem", "k1.pub": d / "k1.pub.pem", "k2": d / "k2.pem", "k2.pub": d / "k2.pub.pem"}
+
+
+@pytest.fixture(scope="module")
+def signed(keys, tmp_path_factory) -> Path:
+    """A small model compiled and signed with k1 by `tandoor compile --key` (host only)."""
+    out = tmp_path_factory.mktemp("signed") / "signed.hmod"
+    run_cli("tandoor", "compile", str(zoo.dynamic_batch()), "--input", "input=1x3x32x32", "-o", str(out),
+            "--key", str(keys["k1"]), "-q", check=True)
+    return out
+
+
+# --- 1. bad bundles ----------------------------------------------------------------------------
+
+def test_good_bundles_run(base, signed, keys):
+    assert agent("run", str(base), "--delegate", "onnxruntime").returncode == 0
+    res = agent("run", str(signed), "--trusted-key", str(keys["k1.pub"]), "--delegate", "onnxruntime", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["outputs"][0]["shape"] == [1, 10]
+
+
+def test_flipped_byte_in_a_lib(base, tmp_path):
+    code, msg = refused(flip_byte(base, tmp_path / "b.hmod", "lib/host.so"))
+    assert code == hmod.HashMismatch.exit_code == 12
+    assert "lib/host.so" in msg
+
+
+def test_flipped_byte_in_an_order_json(base, tmp_path):
+    member = manifest_of(base)["partitions"][0]["order"]
+    code, msg = refused(flip_byte(base, tmp_path / "b.hmod", member))
+    assert code == hmod.HashMismatch.exit_code
+    assert member in msg
+
+
+def test_flipped_byte_in_the_manifest(base, tmp_path):
+    # the zip's CRC catches it before the JSON is even parsed: the manifest is unreadable
+    code, msg = refused(flip_byte(base, tmp_path / "b.hmod", hmod.MANIFEST))
+    assert code == hmod.NotABundle.exit_code == 10
+    assert "manifest.json is unreadable" in msg
+
+
+def test_edited_manifest_of_a_signed_bundle(signed, keys, tmp_path):
+    # a consistent zip whose manifest was edited after signing: the old signature no longer fits
+    bad = tmp_path / "b.hmod"
+    with zipfile.ZipFile(signed) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == hmod.MANIFEST:
+                data = data.replace(b'"version": "1"', b'"version": "2"')
+                assert data != src.read(info)
+            dst.writestr(info, data)
+    code, msg = refused(bad, "--trusted-key", str(keys["k1.pub"]))
+    assert code == hmod.BadSignature.exit_code == 14
+    assert "does not verify" in msg
+
+
+def test_signed_with_another_key(signed, keys):
+    code, msg = refused(signed, "--trusted-key", str(keys["k2.pub"]))
+    assert code == hmod.BadSignature.exit_code
+    assert hmod.key_fingerprint(hmod.load_public_key(keys["k2.pub"])) in msg
+
+
+def test_unsigned_when_keys_are_configured(base, keys):
+    code, msg = refused(base, "--trusted-key", str(keys["k1.pub"]))
+    assert code == hmod.UnsignedBundle.exit_code == 15
+    assert "not signed" in msg
+
+
+def test_private_key_as_trusted_key(signed, keys):
+    code, msg = refused(signed, "--trusted-key", str(keys["k1"]))
+    assert code == hmod.KeyFileError.exit_code == 19
+    assert "private key" in msg
+
+
+def test_another_architecture_only(base, keys, tmp_path):
+    """A real bundle re-written (and signed) with only its aarch64 target: refused with
+    NoLibForArch before any executor, TVM or Arm NN is even imported."""
+    assert hmod.machine_arch() != "aarch64", "this test needs a host that is not aarch64"
+
+    def aarch64_only(man, members):
+        keep = {t: v for t, v in man["targets"].items() if v["arch"] == "aarch64"}
+        assert keep and len(keep) < len(man["targets"])
+        for t, v in man["targets"].items():
+            if t not in keep:
+                members.pop(v["lib"])
+                for m in v["fallback"].values():
+                    members.pop(m)
+        man["targets"] = keep
+
+    bad = rewrite(base, tmp_path / "arm.hmod", aarch64_only, key=keys["k1"])
+    code, msg = refused(bad, "--trusted-key", str(keys["k1.pub"]))
+    assert code == hmod.NoLibForArch.exit_code == 17
+    assert f"no lib for {hmod.machine_arch()}" in msg and "aarch64" in msg
+    code, _ = refused(bad, "--trusted-key", str(keys["k1.pub"]), "--delegate", "armnn")
+    assert code == 17
+
+
+def test_member_named_dotdot(base, tmp_path):
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    info = zipfile.ZipInfo("../../x", date_time=(1980, 1, 1, 0, 0, 0))
+    info.external_attr = (stat.S_IFREG | 0o644) << 16
+    bad = add_raw_entry(base, tmp_path / "b.hmod", info, b"escaped\n")
+    code, msg = refused(bad, cwd=work)
+    assert code == hmod.UnsafeMember.exit_code == 11
+    assert "'..'" in msg
+    assert not (tmp_path / "x").exists() and not (work / "x").exists()
+
+
+def test_symlink_member(base, tmp_path):
+    info = zipfile.ZipInfo("lib/evil.so", date_time=(1980, 1, 1, 0, 0, 0))
+    info.create_system = 3
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    code, msg = refused(add_raw_entry(base, tmp_path / "b.hmod", info, b"/etc/passwd"))
+    assert code == hmod.UnsafeMember.exit_code
+    assert "symlink" in msg
+
+
+@pytest.mark.parametrize("keep", [0.5, 100])
+def test_truncated_file(base, tmp_path, keep):
+    data = base.read_bytes()
+    bad = tmp_path / "b.hmod"
+    bad.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    code, msg = refused(bad)
+    assert code == hmod.NotABundle.exit_code
+    assert "not a readable zip" in msg
+
+
+def test_missing_bundle(tmp_path):
+    code, msg = refused(tmp_path / "nope.hmod")
+    assert code == hmod.NotABundle.exit_code and "does not exist" in msg
+
+
+def test_runtime_error_keeps_its_own_code(base, tmp_path):
+    bad_input = tmp_path / "x.npy"
+    np.save(bad_input, np.zeros((1, 3, 8, 8), np.float32))
+    res = agent("run", str(base), "--input", str(bad_input), "--delegate", "onnxruntime")
+    assert res.returncode == RuntimeError_.exit_code == 3, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "must have shape [1, 3, 64, 64]" in lines[0]
+    res = agent("run", str(base), "--input", str(tmp_path / "missing.npy"))
+    assert res.returncode == 2 and "no such file" in res.stderr
+
+
+def test_exit_codes_are_distinct_per_kind():
+    codes = {c.__name__: c.exit_code for c in (hmod.NotABundle, hmod.UnsafeMember, hmod.HashMismatch,
+                                               hmod.MissingMember, hmod.BadSignature, hmod.UnsignedBundle,
+                                               hmod.FormatVersionError, hmod.NoLibForArch, hmod.ExtraMember,
+                                               hmod.KeyFileError)}
+    codes["RuntimeError_"] = RuntimeError_.exit_code
+    assert len(set(codes.values())) == len(codes)
+    assert all(10 <= c <= 19 for n, c in codes.items() if n != "RuntimeError_")
+
+
+# --- 2. model level: every zoo model through every executor -------------------------------------
+
+MODELS = sorted(zoo.ALL_CNNS) + ["with_unsupported_middle"]
+
+
+@pytest.mark.parametrize("delegate", ["onnxruntime", "tvm", "armnn"])  # compile lands on the first
+@pytest.mark.parametrize("name", MODELS)
+def test_model_through_executor(name, delegate, bundles_dir, tmp_path):
+    if delegate == "armnn" and not ARMNN_OK:
+        pytest.skip(ARMNN_WHY)
+    bundle = compiled(name, getattr(zoo, name)(), bundles_dir)
+    man = manifest_of(bundle)
+    # Arm NN's CpuRef is slow (seconds per 224x224 model): time one run; the others three
+    repeat = "1" if delegate == "armnn" else "3"
+    result, outs, stderr = run_json(bundle, tmp_path, "--delegate", delegate, "--repeat", repeat)
+    assert "fallback" not in stderr
+
+    _, want = golden(bundle)
+    for got, w in zip(outs, want):
+        ok, err = close(got, w)
+        assert ok, f"{name} via {delegate}: max abs err {err}"
+
+    assert set(result) >= {"outputs", "subgraphs", "latency_ms"}
+    for spec, entry in zip(man["outputs"], result["outputs"]):
+        assert entry["name"] == spec["name"] and entry["shape"] == spec["shape"]
+        top5 = entry["top5"]  # every model here is a classifier, 1 x classes
+        assert len(top5) == 5 and all(isinstance(l, str) and isinstance(s, float) for l, s in top5)
+        scores = [s for _, s in top5]
+        assert scores == sorted(scores, reverse=True)
+        assert top5[0][0] == str(int(np.argmax(want[0])))
+    lat = result["latency_ms"]
+    assert 0 < lat["median"] <= lat["p95"] and lat["runs"] == int(repeat)
+
+    delegated = [p["symbol"] for p in man["partitions"] if p["delegate"]]
+    assert [s["symbol"] for s in result["subgraphs"]] == delegated
+    for s in result["subgraphs"]:
+        assert s["executor"] == delegate and "fallback_reason" not in s
+        if delegate == "armnn":
+            assert s["backend"] in armnn_ex.backends()
+            if hmod.machine_arch() == "x86_64":
+                assert s["backend"] == "CpuRef"
+            # every compute layer placed on the reported backend (counted after Optimize)
+            assert set(s["layers"]) == {s["backend"]} and s["layers"][s["backend"]] > 0
+        assert s["calls"] == int(repeat)
+        assert s["bridge_us"] >= 0 and s["run_us"] > 0
+        # outputs land in the VM's buffers without a copy where the library allows it
+        assert s["zero_copy"] is (delegate != "tvm")
+
+
+# --- 3. fallback -------------------------------------------------------------------------------
+
+def _resize_model(path: Path) -> Path:
+    """Conv -> Resize nearest (half_pixel, round_prefer_ceil) 26x26 -> 11x11. The ACL table takes
+    this resize, but at this size ONNX's half-pixel ties fall on other pixels than Arm NN's
+    float32 arithmetic picks (index 5 of 11: exactly 12.5 -> 13 vs 12), so the Arm NN executor
+    cannot build the order exactly and refuses it."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array([1, 4, 11, 11], np.int64), "sizes")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Resize", ["c", "", "", "sizes"], ["y"], mode="nearest",
+                              coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_ceil")]
+    g = helper.make_graph(nodes, "resize_tie", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 26, 26])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 11, 11])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    return path
+
+
+def _check_fallback(result: dict, stderr: str, outs, bundle: Path, symbol: str, why: str) -> None:
+    sg = {s["symbol"]: s for s in result["subgraphs"]}[symbol]
+    assert sg["executor"] == "onnxruntime", sg
+    assert sg["fallback_reason"].startswith("armnn: ") and why in sg["fallback_reason"]
+    warnings = [l for l in stderr.splitlines() if "fallback" in l]
+    assert len(warnings) == 1 and symbol in warnings[0] and why in warnings[0]  # logged once
+    for got, want in zip(outs, golden(bundle)[1]):
+        ok, err = close(got, want)
+        assert ok, err
+
+
+@needs_armnn
+def test_armnn_falls_back_when_it_cannot_build_an_order(tmp_path):
+    bundle = tmp_path / "resize.hmod"
+    run_cli("tandoor", "compile", str(_resize_model(tmp_path / "resize.onnx")), "-o", str(bundle), "-q",
+            "--policy", "all", check=True)
+    parts = [p for p in manifest_of(bundle)["partitions"] if p["delegate"] and "image.resize2d" in p["ops"]]
+    if not parts:
+        pytest.skip("the compiler now keeps this resize out of ACL up front; see the hand-edited case below")
+    for delegate in ("armnn",):
+        result, outs, stderr = run_json(bundle, tmp_path / delegate, "--delegate", delegate, "--repeat", "2")
+        _check_fallback(result, stderr, outs, bundle, parts[0]["symbol"], "resize2d nearest/half_pixel")
+        assert result["subgraphs"][0]["calls"] == 2
+
+
+@needs_armnn
+def test_armnn_falls_back_on_a_hand_edited_order(base, tmp_path):
+    """One order of a real bundle edited to use an activation Arm NN has no layer for (the ONNX
+    rendering and the TVM fallback are left as they were), re-written with hmod.write_bundle."""
+    man = manifest_of(base)
+    part = [p for p in man["partitions"] if p["delegate"]][1]
+
+    def edit(m, members):
+        order = json.loads(members[part["order"]])
+        conv = next(op for op in order["ops"] if op["type"] == "conv2d")
+        conv["attrs"]["activation"] = {"kind": "gelu"}
+        members[part["order"]] = json.dumps(order, indent=1, sort_keys=True).encode()
+
+    bundle = rewrite(base, tmp_path / "edited.hmod", edit)
+    result, outs, stderr = run_json(bundle, tmp_path, "--delegate", "armnn")
+    _check_fallback(result, stderr, outs, bundle, part["symbol"], "{'kind': 'gelu'} is not a valid activation")
+    other = [s for s in result["subgraphs"] if s["symbol"] != part["symbol"]]
+    assert other and all(s["executor"] == "armnn" and "fallback_reason" not in s for s in other)
+
+
+# --- 4. zero-copy --------------------------------------------------------------------------------
+
+def test_onnxruntime_writes_into_the_callers_buffer(base):
+    """The onnxruntime executor binds the caller's output buffer: onnxruntime's output OrtValue
+    is that memory, and the numbers are those of a plain session.run."""
+    from tandoor_agent.run.executors.ort import OrtExecutor
+
+    with hmod.open_bundle(base) as b:
+        part = [p for p in b.manifest["partitions"] if p["delegate"]][0]
+        order, onnx_bytes = b.order(part["symbol"]), b.read(part["onnx"])
+        external = {name: b.read(member) for name, member in part["onnx_external"].items()}
+    ex = OrtExecutor(order, onnx_bytes, external=external)
+    rng = np.random.default_rng(0)
+    ins = [rng.standard_normal(i["shape"]).astype(np.float32) for i in order["inputs"]]
+    outs = [np.full(o["shape"], np.nan, np.float32) for o in order["outputs"]]
+    ex.run_into(ins, outs)
+    assert ex.last_zero_copy
+    bound = ex._binding.get_outputs()
+    assert [v.data_ptr() for v in bound] == [o.ctypes.data for o in outs]
+    for got, want in zip(outs, ex.run(ins)):
+        np.testing.assert_array_equal(got, want)
+    ins[0] += 1.0  # same buffers, new contents: the binding sees them
+    ex.run_into(ins, outs)
+    for got, want in zip(outs, ex.run(ins)):
+        np.testing.assert_array_equal(got, want)
+    moved = [o.copy() for o in outs]  # other buffers: re-bound
+    ex.run_into(ins, moved)
+    assert [v.data_ptr() for v in ex._binding.get_outputs()] == [o.ctypes.data for o in moved]
+    for got, want in zip(moved, outs):
+        np.testing.assert_array_equal(got, want)
+
+
+@needs_armnn
+def test_auto_prefers_onnxruntime_when_armnn_has_no_acl_backend(base, tmp_path):
+    """On a host whose Arm NN has only CpuRef (a slow reference backend), auto must not pick it."""
+    from tandoor_agent.run.executors import armnn
+
+    result, outs, _ = run_json(base, tmp_path, "--delegate", "auto")
+    want = "armnn" if {"CpuAcc", "GpuAcc"} & set(armnn.backends()) else "onnxruntime"
+    assert {s["executor"] for s in result["subgraphs"]} == {want}
+    assert all(s.get("fallback_reason") is None for s in result["subgraphs"])

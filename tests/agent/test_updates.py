@@ -1,0 +1,395 @@
+"""Fleet model updates end to end: a real mosquitto, real `tandoor-agent` processes with A/B slot
+directories, the host side (fleet/rollout.py and `tandoor fleet`) sending real signed bundles.
+
+- deploy to two devices (CLI, --json): committed, the status shows the new sha/version, frames go on
+- the same job twice: the same final ack again, nothing re-installed
+- refused before trial: bad signature, wrong architecture (old model keeps serving)
+- malformed offers answered with an error ack; a job while another runs: refused "busy"
+- chunks duplicated, out of order, one tampered once (re-requested, then committed); a chunk
+  always tampered (failed after the bounded retries, with the reason)
+- a model whose golden self-test fails: rolled back and reported
+- the broker killed and restarted mid-transfer: the device asks for what it misses, committed
+- rollback command (`tandoor fleet rollback`): back to the previous good slot
+- the agent SIGKILLed right after acking received / staged / trial: a restart ends in a
+  consistent committed slot serving frames (received -> the job completes; staged/trial -> rolled
+  back and reported)
+- the agent stopped (SIGTERM) during the health check: the check's process ends with it, no
+  verdict; the next start rolls the trial back and reports it
+- a full disk while staging (slot_dir on a small tmpfs): refused, the old model keeps serving
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from support.bundle_edit import sha
+from support.cli import BIN
+from support.mosquitto import Broker, Recorder, available
+from tandoor_agent.update import slots
+from support.agents import START_TIMEOUT, AgentProcess, agent_config, make_bundles, running_sha, seed_slots, status_of, write_config  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not available(), reason="mosquitto is not installed (apt install mosquitto)")
+
+CHUNK = 16 * 1024
+
+
+# --- bundles -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def B(bundles_dir, tmp_path_factory):
+    return make_bundles(bundles_dir, tmp_path_factory.mktemp("updbundles"))
+
+
+@pytest.fixture(scope="module")
+def wd(tmp_path_factory):
+    return tmp_path_factory.mktemp("upd")
+
+
+@pytest.fixture(scope="module")
+def broker(wd):
+    b = Broker(wd / "broker").start()
+    yield b
+    b.stop()
+
+
+def start_agent(wd: Path, dev: str, cfg: Path, rec: Recorder, env: dict | None = None, tag: str = "") -> AgentProcess:
+    rec.clear()
+    a = AgentProcess(["--config", str(cfg)], wd / f"{dev}{tag}.log", env=env)
+    status_of(rec, dev, START_TIMEOUT, lambda s: s.get("state") == "running" and s.get("online"), f"{dev} running")
+    return a
+
+
+def fleet(port: int):
+    from tandoor_fleet.rollout import Fleet
+
+    return Fleet(f"mqtt://127.0.0.1:{port}").connect()
+
+
+def deploy(port: int, bundle: Path, devices: list[str], timeout: float = 240, **kw) -> dict:
+    f = fleet(port)
+    try:
+        return f.deploy(bundle, devices, timeout=timeout, chunk_size=kw.pop("chunk_size", CHUNK), **kw)
+    finally:
+        f.close()
+
+
+def serving_frames(rec: Recorder, dev: str, timeout: float = 30) -> None:
+    """Frames keep flowing: results published after this point."""
+    t = time.time()
+    rec.wait_for(lambda m: m.topic == f"tandoor/{dev}/results" and m.t > t, timeout, f"{dev} results")
+
+
+def acks(rec: Recorder, dev: str, job: str) -> list[dict]:
+    return [m.json() for m in rec.on(f"tandoor/{dev}/update/ack") if m.json().get("job_id") == job]
+
+
+def assert_committed_state(slot_dir: Path, want_sha: str) -> None:
+    st = json.loads((slot_dir / "state.json").read_text())
+    slots._check_state(st)
+    assert st["trial"] is None and st["primary"] in ("a", "b"), st
+    assert all(s["state"] in ("good", "bad", "empty") for s in st["slots"].values()), st
+    assert st["slots"][st["primary"]]["sha256"] == want_sha
+    assert sha(slot_dir / st["primary"] / "model.hmod") == want_sha
+
+
+# --- two long-running devices -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def devs(wd, broker, B):
+    rec = Recorder(broker.port, "tandoor/#").start()
+    procs = {}
+    try:
+        for dev in ("u1", "u2"):
+            sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+            procs[dev] = AgentProcess(["--config", str(agent_config(wd, dev, broker.port, sd, B["pub"]))],
+                                      wd / f"{dev}.log")
+        for dev in procs:
+            running_sha(rec, dev, sha(B["v1"]), START_TIMEOUT)
+        yield {"rec": rec, "procs": procs, "slots": {d: wd / f"{d}-slots" for d in procs}}
+    finally:
+        for p in procs.values():
+            p.stop()
+        rec.stop()
+
+
+def test_deploy_two_devices_with_the_cli(devs, broker, B):
+    rec = devs["rec"]
+    t_before = time.time()
+    res = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v2"]), "--devices", "u1,u2",
+                          "--broker", f"mqtt://127.0.0.1:{broker.port}", "--job-id", "job-v2", "--canary", "50%",
+                          "--chunk-size", str(CHUNK), "--latency-budget-ms", "2000", "--timeout", "240", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert {d: r["state"] for d, r in out["devices"].items()} == {"u1": "committed", "u2": "committed"}
+    assert out["devices"]["u1"]["wave"] == "canary" and out["aborted"] is None
+    assert "health gate passed" in out["devices"]["u1"]["reason"]
+    assert "canary" in res.stderr and "committed" in res.stderr  # progress while waiting
+    for dev in ("u1", "u2"):
+        st = running_sha(rec, dev, sha(B["v2"]))
+        assert st["model"]["version"] == "2"
+        states = [a["state"] for a in acks(rec, dev, "job-v2")]
+        for s in ("received", "verified", "staged", "trial", "committed"):
+            assert s in states, states
+        assert_committed_state(devs["slots"][dev], sha(B["v2"]))
+        serving_frames(rec, dev)
+    # hot swap: the status changed while the agent kept running (same session, no restart)
+    births = [m.json() for m in rec.on("tandoor/u1/status") if m.t >= t_before and m.json().get("online")]
+    assert len({b["session"] for b in births}) == 1
+    # devices and status from the retained topics
+    res = subprocess.run([str(BIN / "tandoor"), "fleet", "devices", "--broker", f"mqtt://127.0.0.1:{broker.port}",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    d = json.loads(res.stdout)
+    assert d["u1"]["model"]["sha256"] == sha(B["v2"]) and d["u1"]["last_job"]["state"] == "committed"
+    res = subprocess.run([str(BIN / "tandoor"), "fleet", "status", "job-v2", "--broker",
+                          f"mqtt://127.0.0.1:{broker.port}", "--json"], capture_output=True, text=True, timeout=60)
+    assert {k: v["state"] for k, v in json.loads(res.stdout).items()} == {"u1": "committed", "u2": "committed"}
+
+
+def test_same_job_twice_is_a_noop_with_the_same_final_ack(devs, broker, B):
+    rec = devs["rec"]
+    rec.clear()
+    t0 = time.monotonic()
+    out = deploy(broker.port, B["v2"], ["u1"], job_id="job-v2", timeout=60)
+    r = out["devices"]["u1"]
+    assert r["state"] == "committed" and r.get("repeated") is True, r
+    assert time.monotonic() - t0 < 30
+    assert "trial" not in [a["state"] for a in acks(rec, "u1", "job-v2")]
+    assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
+
+
+@pytest.mark.parametrize("which,kind", [("k2", "bad_signature"), ("arm", "wrong_arch")])
+def test_refused_before_trial_old_model_keeps_serving(devs, broker, B, which, kind):
+    rec = devs["rec"]
+    out = deploy(broker.port, B[which], ["u1"], job_id=f"job-{which}", timeout=120)
+    r = out["devices"]["u1"]
+    assert r["state"] == "failed" and r["kind"] == kind, r
+    assert out["aborted"]  # max failures 0: the rollout stops
+    running_sha(rec, "u1", sha(B["v2"]))
+    serving_frames(rec, "u1")
+    assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
+
+
+def test_malformed_offers_and_a_job_while_another_runs(devs, broker, B):
+    rec = devs["rec"]
+    for bad in (b"{not json", b"[1,2]", json.dumps({"job_id": "x/y", "size": 1}).encode(),
+                json.dumps({"job_id": "jm", "size": -5}).encode(), b"\xff" * 10):
+        rec.clear()
+        rec.publish("tandoor/u1/update/job", bad)
+        a = rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack", 20, "error ack").json()
+        assert a["state"] == "failed" and a["kind"] == "malformed" and "malformed" in a["reason"], a
+    # busy: job X is offered but its chunks are held back; job Y arrives meanwhile
+    release = threading.Event()
+
+    def hold(dev, i, attempt, data):
+        return data if release.is_set() else None
+
+    box = {}
+    th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["k2"], ["u1"], job_id="job-x",
+                                                           timeout=120, chunk_hook=hold)))
+    rec.clear()
+    th.start()
+    rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json()["job_id"] == "job-x", 30, "job-x accepted")
+    y = deploy(broker.port, B["v3"], ["u1"], job_id="job-y", timeout=30)["devices"]["u1"]
+    assert y["state"] == "failed" and y["kind"] == "busy" and y["reason"] == "busy: job job-x running", y
+    release.set()  # the device asks again (need) and gets the chunks
+    th.join(150)
+    assert box["devices"]["u1"]["state"] == "failed" and box["devices"]["u1"]["kind"] == "bad_signature"
+    assert rec.on("tandoor/u1/update/need"), "the device asked for the chunks it missed"
+    running_sha(rec, "u1", sha(B["v2"]))
+
+
+def test_tampered_duplicate_and_out_of_order_chunks(devs, broker, B):
+    rec = devs["rec"]
+    rec.clear()
+
+    def shuffle_with_duplicates(dev, order):
+        rng = np.random.default_rng(7)
+        o = list(order) + list(order[::3])
+        rng.shuffle(o)
+        return o
+
+    def tamper_once(dev, i, attempt, data):
+        if i == 1 and attempt == 1:
+            return data[:-1] + bytes([data[-1] ^ 0xFF])
+        return data
+
+    out = deploy(broker.port, B["v3"], ["u2"], job_id="job-v3", order_hook=shuffle_with_duplicates,
+                 chunk_hook=tamper_once)
+    assert out["devices"]["u2"]["state"] == "committed", out
+    needs = [m.json() for m in rec.on("tandoor/u2/update/need")]
+    assert any(n.get("bad") == [1] for n in needs), needs
+    running_sha(rec, "u2", sha(B["v3"]))
+    # always tampered: bounded re-requests, then failed with the reason
+    out = deploy(broker.port, B["v4"], ["u1"], job_id="job-tamper",
+                 chunk_hook=lambda dev, i, k, data: (b"\0" * len(data)) if i == 2 else data)
+    r = out["devices"]["u1"]
+    assert r["state"] == "failed" and r["kind"] == "chunk_hash" and "chunk 2" in r["reason"], r
+    running_sha(rec, "u1", sha(B["v2"]))
+
+
+def test_self_test_failure_is_rolled_back_and_reported(devs, broker, B):
+    rec = devs["rec"]
+    out = deploy(broker.port, B["bad_golden"], ["u1"], job_id="job-bad-golden")
+    r = out["devices"]["u1"]
+    assert r["state"] == "rolled_back" and "golden self-test failed" in r["reason"], r
+    running_sha(rec, "u1", sha(B["v2"]))
+    serving_frames(rec, "u1")
+    assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
+
+
+def test_broker_restart_mid_transfer_resumes(devs, broker, B):
+    rec = devs["rec"]
+    n = -(-B["v4"].stat().st_size // CHUNK)
+    half = threading.Event()
+
+    def first_half_only(dev, i, attempt, data):
+        if attempt == 1 and i >= n // 2:
+            half.set()
+            return None
+        return data
+
+    box = {}
+    th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["v4"], ["u2"], job_id="job-v4",
+                                                           chunk_hook=first_half_only)))
+    th.start()
+    assert half.wait(60)
+    time.sleep(0.5)
+    broker.kill()
+    time.sleep(1.0)
+    broker.start()
+    t_back = time.time()
+    th.join(280)
+    assert box["devices"]["u2"]["state"] == "committed", box
+    needs = [m for m in rec.on("tandoor/u2/update/need") if m.t >= t_back and m.json()["job_id"] == "job-v4"]
+    assert needs and needs[0].json()["n_missing"] < n, "resumed: asked only for what was missing"
+    running_sha(rec, "u2", sha(B["v4"]), 90)
+
+
+def test_rollback_command_returns_to_the_previous_slot(devs, broker, B):
+    rec = devs["rec"]
+    res = subprocess.run([str(BIN / "tandoor"), "fleet", "rollback", "--devices", "u2", "--broker",
+                          f"mqtt://127.0.0.1:{broker.port}", "--json"], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = json.loads(res.stdout)["u2"]
+    assert r["ok"] and r["result"]["sha256"] == sha(B["v3"]), r
+    running_sha(rec, "u2", sha(B["v3"]))
+    serving_frames(rec, "u2")
+    assert_committed_state(devs["slots"]["u2"], sha(B["v3"]))
+
+
+# --- SIGKILL at each state ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("state", ["received", "staged", "trial"])
+def test_sigkill_at_each_state_ends_consistent_and_serving(wd, broker, B, state):
+    dev = f"k-{state}"
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec, env={"TANDOOR_UPDATE_CRASH_AT": state})
+        box = {}
+        job = f"job-kill-{state}"
+        th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["v2"], [dev], job_id=job)))
+        th.start()
+        try:
+            a.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            a.kill()
+            pytest.fail(f"the agent was not killed at {state}: {a.output()[-2000:]}")
+        assert a.proc.returncode == -9
+        a.stop()
+        b = AgentProcess(["--config", str(cfg)], wd / f"{dev}-2.log")
+        try:
+            th.join(280)
+            r = box["devices"][dev]
+            want = "v2" if state == "received" else "v1"
+            if state == "received":
+                assert r["state"] == "committed", r
+            else:
+                assert r["state"] == "rolled_back" and "restarted before the trial was committed" in r["reason"], r
+            running_sha(rec, dev, sha(B[want]), START_TIMEOUT)
+            serving_frames(rec, dev)
+            assert_committed_state(sd, sha(B[want]))
+        finally:
+            b.stop()
+
+
+def test_sigterm_during_the_health_check_stops_it_and_the_next_start_rolls_back(wd, broker, B):
+    """A clean stop (SIGTERM) while the gate's child process runs: the agent ends that child too
+    (it has its own session, so nothing else would), exits 0 without a verdict on the model, and
+    the next start rolls the trial back and reports it, like after a crash."""
+    dev = "term-trial"
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec)
+        box = {}
+        job = "job-term-trial"
+        th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["v2"], [dev], job_id=job,
+                                                               health_frames=100_000)))  # a check that outlasts the test
+        th.start()
+        rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json()["state"] == "trial", 120, "trial")
+        checks = []
+        deadline = time.monotonic() + 60
+        while not checks and time.monotonic() < deadline:  # the gate's child: python -m tandoor_agent.update.health
+            kids = subprocess.run(["pgrep", "-P", str(a.proc.pid), "-f", "tandoor_agent.update.health"],
+                                  capture_output=True, text=True).stdout.split()
+            checks = [int(k) for k in kids]
+            time.sleep(0.1)
+        assert checks, "no health check child seen"
+        assert a.stop() == 0, a.output()[-2000:]
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{checks[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{checks[0]}").exists(), "the health check outlived the agent"
+        assert "rolled_back" not in [x["state"] for x in acks(rec, dev, job)]  # no verdict while stopping
+        assert json.loads((sd / "state.json").read_text())["trial"] is not None
+        b = AgentProcess(["--config", str(cfg)], wd / f"{dev}-2.log")
+        try:
+            th.join(280)
+            r = box["devices"][dev]
+            assert r["state"] == "rolled_back" and r["kind"] == "restarted", r
+            assert "restarted before the trial was committed" in r["reason"], r
+            running_sha(rec, dev, sha(B["v1"]), START_TIMEOUT)
+            serving_frames(rec, dev)
+            assert_committed_state(sd, sha(B["v1"]))
+        finally:
+            b.stop()
+
+
+# --- a full disk --------------------------------------------------------------------------------------
+
+def test_full_disk_while_staging_is_refused_and_the_old_model_keeps_serving(wd, broker, B, tmp_path):
+    size = B["v1"].stat().st_size
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    total = (size + size // 2 + slots.DEFAULT_RESERVE + 4095) // 4096 * 4096
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={total}", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        sd = seed_slots(mnt / "slots", B["v1"], B["pub"])
+        dev = "full"
+        cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+        with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+            a = start_agent(wd, dev, cfg, rec)
+            try:
+                out = deploy(broker.port, B["v2"], [dev], job_id="job-full", timeout=60)
+                r = out["devices"][dev]
+                assert r["state"] == "failed" and r["kind"] == "no_space", r
+                assert "running model is untouched" in r["reason"]
+                running_sha(rec, dev, sha(B["v1"]))
+                serving_frames(rec, dev)
+                assert_committed_state(sd, sha(B["v1"]))
+                assert not list((sd / "staging").glob("*.part"))
+            finally:
+                a.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

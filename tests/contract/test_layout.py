@@ -1,0 +1,83 @@
+"""The architecture, kept true: each half imports the contract and never the other half.
+
+The agent is installed alone on boards (no compiler, onnx or rich there), and the compiler must
+not drag the agent's runtime into a compile. Checked on the sources' import statements (static,
+so a lazy import inside a function counts too) and on a real process.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.cli import ROOT
+
+PACKAGES = {"tandoor_contract": "contract", "tandoor_agent": "agent", "tandoor_compiler": "compiler",
+            "tandoor_fleet": "fleet", "tandoor_host": "host", "tandoor_zoo": "zoo"}
+# package -> the Tandoor packages it may import
+ALLOWED = {
+    "tandoor_contract": set(),
+    "tandoor_agent": {"tandoor_contract"},
+    "tandoor_compiler": {"tandoor_contract"},
+    "tandoor_fleet": {"tandoor_contract"},
+    "tandoor_zoo": {"tandoor_contract"},
+    "tandoor_host": {"tandoor_contract", "tandoor_compiler", "tandoor_agent", "tandoor_fleet"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_a_package_imports_only_what_the_architecture_allows(package):
+    bad = []
+    for path in sorted((ROOT / PACKAGES[package]).rglob("*.py")):
+        for mod in _imports(path) & set(PACKAGES):
+            if mod != package and mod not in ALLOWED[package]:
+                bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_contract_needs_only_the_stdlib_numpy_and_cryptography():
+    third_party = set()
+    for path in (ROOT / "contract").rglob("*.py"):
+        third_party |= _imports(path) - set(sys.stdlib_module_names) - set(PACKAGES)
+    # tvm/onnxruntime/pyarmnn are only probed for their versions, inside try blocks (contract/profile.py)
+    assert third_party <= {"numpy", "cryptography", "tvm", "onnxruntime", "pyarmnn"}, third_party
+
+
+def test_running_a_compile_module_loads_no_agent_module():
+    code = ("import sys, tandoor_compiler.pipeline, tandoor_compiler.acl, tandoor_compiler.codegen; "
+            "print(sorted(m for m in sys.modules if m.startswith('tandoor_agent')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_readme_layout_table_matches_the_tree():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Layout"):]
+    table = table[:table.index("\n\n", table.index("| path |"))]
+    rows = re.findall(r"^\| `([^`]+)` \| (.*) \|$", table, re.M)
+    listed = {path.rstrip("/") for path, _ in rows}
+    for path, what in rows:
+        assert (ROOT / path).exists(), f"README lists {path}, which does not exist"
+        for name in re.findall(r"`([A-Za-z_]+\.py|[A-Za-z_]+/)`", what):
+            assert (ROOT / path / name).exists(), f"README says {path} has {name}"
+    for d in ("contract", "compiler", "agent/run", "agent/serve", "agent/update", "agent/telemetry", "fleet",
+              "host", "zoo", "tests", "scripts", "docs"):
+        assert d in listed, f"{d}/ is not in the README's layout table"

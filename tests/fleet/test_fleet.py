@@ -1,0 +1,327 @@
+"""The fleet side against a real mosquitto: the repo's secured config (mosquitto/tandoor.conf +
+acl, generated passwords) refuses a device that publishes or subscribes on another device's
+topics; the same config's TLS listener (certificates made here) carries a real agent and
+`tandoor fleet devices --broker mqtts://... --cafile` while plain MQTT on that port gets nowhere;
+a canary rollout to real agents aborts the rest when the canary's telemetry p95 is over
+--latency-budget-ms; a canary rollout to simulated agents (scripts/fleet-sim.py: real MQTT
+clients, the real updater and SlotStore, no inference) aborts the remaining devices when failures
+exceed --max-failures; a 10-agent simulation smoke test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from support.cli import BIN, ROOT
+from support.mosquitto import MOSQUITTO, Broker, Recorder, available, make_tls_files
+from support.agents import START_TIMEOUT, AgentProcess, agent_config, make_bundles, running_sha, seed_slots
+from support.bundle_edit import sha
+
+pytestmark = pytest.mark.skipif(not available(), reason="mosquitto is not installed (apt install mosquitto)")
+
+
+
+def _load_sim():
+    spec = importlib.util.spec_from_file_location("fleet_sim", ROOT / "scripts" / "fleet-sim.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def B(bundles_dir, tmp_path_factory):
+    return make_bundles(bundles_dir, tmp_path_factory.mktemp("fleetbundles"))
+
+
+# --- the secured broker config --------------------------------------------------------------------
+
+def secured_broker(d: Path, users: dict[str, str], tls: dict[str, Path] | None = None) -> Broker:
+    """mosquitto/tandoor.conf with its global part as shipped (auth, ACL file, limits), the file
+    paths pointed at temp files, and on a free port either a plain listener or (``tls``: the
+    make_tls_files certificates) the shipped TLS listener with its certificate paths replaced."""
+    import shutil
+
+    passwd = d / "tandoor.passwd"
+    for i, (u, p) in enumerate(users.items()):
+        tool = shutil.which("mosquitto_passwd") or str(Path(MOSQUITTO).with_name("mosquitto_passwd"))
+        subprocess.run([tool, *(["-c"] if i == 0 else []), "-b", str(passwd), u, p], check=True)
+    conf = (ROOT / "mosquitto" / "tandoor.conf").read_text()
+    glob, listeners = conf.split("# ---- listeners")
+    assert re.search(r"^allow_anonymous false$", glob, re.M) and re.search(r"^acl_file ", glob, re.M)
+    glob = re.sub(r"^password_file .*$", f"password_file {passwd}", glob, flags=re.M)
+    glob = re.sub(r"^acl_file .*$", f"acl_file {ROOT / 'mosquitto' / 'acl'}", glob, flags=re.M)
+    glob = re.sub(r"^persistence true$", "persistence false", glob, flags=re.M)
+    glob = re.sub(r"^(persistence_location|autosave_interval|log_dest) .*$", "", glob, flags=re.M)
+    b = Broker(d / "broker")
+    listener = f"listener {b.port} 127.0.0.1\n"
+    if tls is not None:
+        m = re.search(r"^listener 8883\n(.*?)\n\n", listeners, re.M | re.S)
+        assert m and "certfile" in m.group(1), "the shipped TLS listener"
+        listener += re.sub(r"^(cafile|certfile|keyfile) .*$",
+                           lambda k: f"{k.group(1)} {tls[{'cafile': 'ca', 'certfile': 'cert', 'keyfile': 'key'}[k.group(1)]]}",
+                           m.group(1), flags=re.M) + "\n"
+    # started as root, mosquitto would drop to user mosquitto, who cannot read pytest's temp dir
+    b.conf.write_text(glob + f"\nuser root\nlog_dest stderr\n" + listener)
+    return b.start()
+
+
+class Client:
+    def __init__(self, port: int, user: str | None, pw: str | None) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.msgs: list = []
+        self.sub_rc: list = []
+        self.pub_rc: dict[int, int] = {}
+        self.conn_rc = None
+        self.ev = threading.Event()
+        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"t-{user}-{time.monotonic_ns()}",
+                             protocol=mqtt.MQTTv5)
+        if user:
+            self.c.username_pw_set(user, pw)
+        self.c.on_connect = lambda c, u, f, rc, p: (setattr(self, "conn_rc", rc), self.ev.set())
+        self.c.on_message = lambda c, u, m: self.msgs.append((m.topic, bytes(m.payload)))
+        self.c.on_subscribe = lambda c, u, mid, rcs, p: self.sub_rc.append([r.value for r in rcs])
+        self.c.on_publish = lambda c, u, mid, rc, p: self.pub_rc.__setitem__(mid, rc.value)
+        self.c.connect("127.0.0.1", port)
+        self.c.loop_start()
+        self.ev.wait(10)
+
+    def sub(self, topic: str) -> int:
+        n = len(self.sub_rc)
+        self.c.subscribe(topic, qos=1)
+        deadline = time.monotonic() + 10
+        while len(self.sub_rc) == n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.sub_rc[-1][0]
+
+    def pub(self, topic: str, payload: bytes = b"{}", retain: bool = False) -> int:
+        info = self.c.publish(topic, payload, qos=1, retain=retain)
+        deadline = time.monotonic() + 10
+        while info.mid not in self.pub_rc and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.pub_rc.get(info.mid)
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+def test_secured_broker_refuses_another_devices_topics(tmp_path):
+    users = {"dev1": "pw-one", "dev2": "pw-two", "fleet-operator": "op-secret"}
+    b = secured_broker(tmp_path, users)
+    try:
+        anon = Client(b.port, None, None)
+        assert anon.conn_rc is not None and anon.conn_rc.is_failure  # allow_anonymous false
+        anon.close()
+        wrong = Client(b.port, "dev1", "nope")
+        assert wrong.conn_rc.is_failure
+        wrong.close()
+        op = Client(b.port, "fleet-operator", "op-secret")
+        d1 = Client(b.port, "dev1", "pw-one")
+        d2 = Client(b.port, "dev2", "pw-two")
+        assert not op.conn_rc.is_failure and not d1.conn_rc.is_failure
+        assert op.sub("tandoor/#") == 1
+        assert d2.sub("tandoor/dev2/cmd") == 1 and d2.sub("tandoor/dev2/update/chunk/#") == 1
+        # dev1 on its own topics: allowed
+        assert d1.sub("tandoor/dev1/cmd") == 1 and d1.sub("tandoor/dev1/update/job") == 1
+        assert d1.sub("tandoor/dev1/update/chunk/#") == 1
+        assert d1.pub("tandoor/dev1/status", b'{"online": true}', retain=True) == 0
+        assert d1.pub("tandoor/dev1/update/ack", b'{"state": "received"}') == 0
+        # dev1 on dev2's topics: refused by the broker (PUBACK/SUBACK 0x87 not authorized)
+        NOT_AUTHORIZED = 135
+        assert d1.pub("tandoor/dev2/status", b'{"online": false, "forged": true}', retain=True) == NOT_AUTHORIZED
+        assert d1.pub("tandoor/dev2/update/ack", b'{"state": "committed", "forged": true}') == NOT_AUTHORIZED
+        assert d1.pub("tandoor/dev2/cmd", b'{"cmd": "rollback", "forged": true}') == NOT_AUTHORIZED
+        assert d1.pub("tandoor/dev1/update/chunk/j/0", b"forged chunk to itself") == NOT_AUTHORIZED
+        assert d1.pub("tandoor/dev1/cmd", b'{"cmd": "ping"}') == NOT_AUTHORIZED  # cmd is read-only for it
+        # reading: mosquitto 2.0 may grant the SUBACK but checks every delivery against the ACL
+        for t in ("tandoor/dev2/cmd", "tandoor/dev2/update/chunk/#", "tandoor/+/status", "$SYS/#"):
+            assert d1.sub(t) in (1, NOT_AUTHORIZED)
+        # the operator drives dev2; dev1 sees none of it
+        assert op.pub("tandoor/dev2/cmd", b'{"cmd": "ping"}') == 0
+        assert op.pub("tandoor/dev2/update/chunk/j/0", b"chunk for dev2") == 0
+        assert op.pub("tandoor/dev1/update/job", b'{"for": "dev1"}') == 0
+        time.sleep(1.0)
+        assert ("tandoor/dev2/cmd", b'{"cmd": "ping"}') in d2.msgs
+        assert ("tandoor/dev2/update/chunk/j/0", b"chunk for dev2") in d2.msgs
+        assert [t for t, _ in d1.msgs] == ["tandoor/dev1/update/job"], d1.msgs
+        assert not any(b"forged" in p for _, p in op.msgs + d2.msgs)
+        assert ("tandoor/dev1/status", b'{"online": true}') in op.msgs
+        # the fleet CLI with credentials in the URL; without them it is refused
+        url = f"mqtt://fleet-operator:op-secret@127.0.0.1:{b.port}"
+        r = subprocess.run([str(BIN / "tandoor"), "fleet", "devices", "--broker", url, "--json"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "dev1" in json.loads(r.stdout), r.stderr
+        r = subprocess.run([str(BIN / "tandoor"), "fleet", "devices", "--broker", f"mqtt://127.0.0.1:{b.port}"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and ("refused" in r.stderr.lower() or "cannot connect" in r.stderr), r.stderr
+        for c in (op, d1, d2):
+            c.close()
+    finally:
+        b.stop()
+
+
+def fleet_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "tandoor"), "fleet", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_agent_and_fleet_over_the_shipped_tls_listener(tmp_path, B):
+    """mosquitto/tandoor.conf's TLS listener with a CA and server certificate made here: a real
+    agent (broker.tls.ca, user = device_id, password_file) shows up in `tandoor fleet devices
+    --broker mqtts://... --cafile ca.pem`; the same port refuses plain MQTT, and TLS without
+    the private CA (system CAs only) is refused, each with one line and exit code 2."""
+    tls = make_tls_files(tmp_path / "tls")
+    users = {"tls-dev": "dev pass", "fleet-operator": "op-secret"}
+    b = secured_broker(tmp_path, users, tls=tls)
+    (tmp_path / "dev.pass").write_text("dev pass\n")
+    cfg = tmp_path / "tls-dev.toml"
+    cfg.write_text(f"""device_id = "tls-dev"
+bundle = "{B['v1']}"
+trusted_keys = ["{B['pub']}"]
+delegate = "onnxruntime"
+telemetry_period_s = 1.0
+
+[broker]
+host = "localhost"
+port = {b.port}
+username = "tls-dev"
+password_file = "{tmp_path / 'dev.pass'}"
+reconnect_min_s = 0.5
+reconnect_max_s = 2.0
+
+[broker.tls]
+ca = "{tls['ca']}"
+
+[camera]
+source = "synthetic:64x48@10"
+""")
+    url = f"mqtts://fleet-operator:op-secret@localhost:{b.port}"
+    agent = AgentProcess(["--config", str(cfg)], tmp_path / "tls-dev.log")
+    try:
+        from tandoor_fleet.rollout import Fleet
+
+        with Fleet(url, cafile=str(tls["ca"])) as f:  # over TLS: wait until the agent serves
+            deadline = time.monotonic() + START_TIMEOUT
+            while (f.status.get("tls-dev") or {}).get("state") != "running" and time.monotonic() < deadline:
+                assert agent.proc.poll() is None, agent.output()[-2000:]
+                time.sleep(0.5)
+        r = fleet_cli("devices", "--broker", url, "--cafile", str(tls["ca"]), "--json")
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)["tls-dev"]
+        assert d["online"] is True and d["state"] == "running", d
+        assert d["model"]["sha256"] == sha(B["v1"]) and d["model"]["version"] == "1"
+        r = fleet_cli("devices", "--broker", url, "--cafile", str(tls["ca"]))  # the table a person reads
+        assert r.returncode == 0 and re.search(r"^tls-dev\s+online\s+running\s+dynamic_batch v1 ", r.stdout, re.M), r.stdout
+        # plain MQTT to the TLS port: no MQTT answer, said in one line
+        r = fleet_cli("devices", "--broker", f"mqtt://fleet-operator:op-secret@localhost:{b.port}")
+        assert r.returncode == 2 and r.stdout == "", r.stdout
+        assert r.stderr.count("\n") == 1 and "does not answer MQTT: a TLS listener?" in r.stderr, r.stderr
+        # TLS without the private CA: the broker's certificate is not trusted
+        r = fleet_cli("devices", "--broker", url)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "TLS certificate not trusted" in r.stderr and "--cafile" in r.stderr, r.stderr
+    finally:
+        agent.stop()
+        b.stop()
+    log = agent.output()
+    assert "tandoor-agent: error" not in log, log[-2000:]
+
+
+# --- canary abort on the canary's telemetry p95 (real agents) -----------------------------------------
+
+def test_canary_aborts_when_its_telemetry_p95_is_over_the_budget(tmp_path, B):
+    """Two real agents on v1. --health-frames 0: the device gate checks only the golden
+    self-test, its committed ack carries no p95, so only the canary's telemetry after the swap can
+    show the latency. A budget under that real p95 stops the rollout after the canary (the other
+    device skipped, with the canary's measured number in the reason); a budget it fits lets the
+    next job through to both."""
+    devs = ("c1", "c2")
+    with Broker(tmp_path / "broker") as b, Recorder(b.port, "tandoor/+/telemetry") as tel:
+        procs = {}
+        try:
+            for dev in devs:
+                sd = seed_slots(tmp_path / f"{dev}-slots", B["v1"], B["pub"])
+                procs[dev] = AgentProcess(["--config", str(agent_config(tmp_path, dev, b.port, sd, B["pub"]))],
+                                          tmp_path / f"{dev}.log")
+            for dev in devs:
+                running_sha(tel, dev, sha(B["v1"]), START_TIMEOUT)
+            common = ["--devices", "c1,c2", "--canary", "50%", "--health-frames", "0", "--canary-soak", "2",
+                      "--broker", f"mqtt://127.0.0.1:{b.port}", "--timeout", "180", "--json"]
+            r = fleet_cli("deploy", str(B["v2"]), "--latency-budget-ms", "0.001", *common, timeout=300)
+            assert r.returncode == 1, r.stderr
+            out = json.loads(r.stdout)
+            c1, c2 = out["devices"]["c1"], out["devices"]["c2"]
+            assert c1["state"] == "committed" and c1["wave"] == "canary", c1
+            assert "p95_ms" not in c1 and c1["health"]["p95_ms"] is None, c1  # the gate measured no latency
+            assert c1["p95_source"] == "telemetry" and c1["p95_ms_seen"] > 0.001, c1
+            # the number is the canary's own telemetry about v2, over the frames since the swap only
+            mine = [m.json() for m in tel.on("tandoor/c1/telemetry") if m.json()["model"].get("sha256") == sha(B["v2"])]
+            seen = [t for t in mine if t["latency_ms"]["inference"]["p95"] == c1["p95_ms_seen"]
+                    and t["latency_ms"]["inference"]["count"] == c1["telemetry_frames"]]
+            assert seen, (c1, [t["latency_ms"]["inference"] for t in mine])
+            assert 0 < c1["telemetry_frames"] < seen[0]["frames"], "the latency window started over at the swap"
+            want = (f"canary c1 p95 latency {c1['p95_ms_seen']:.3g} ms (its telemetry over {c1['telemetry_frames']} "
+                    f"frame(s) since the swap) over the budget 0.001 ms")
+            assert out["aborted"] == want
+            assert c2 == {"state": "skipped", "reason": f"rollout aborted: {want}"}, c2
+            assert out["counts"] == {"committed": 1, "skipped": 1}
+            running_sha(tel, "c2", sha(B["v1"]))  # never offered the job
+            # a budget the real p95 fits: the canary passes and the rest follow
+            r = fleet_cli("deploy", str(B["v3"]), "--latency-budget-ms", "1000", *common, timeout=300)
+            assert r.returncode == 0, r.stdout + r.stderr
+            out = json.loads(r.stdout)
+            assert out["aborted"] is None and out["counts"] == {"committed": 2}, out
+            c1 = out["devices"]["c1"]
+            assert c1["p95_source"] == "telemetry" and 0 < c1["p95_ms_seen"] <= 1000, c1
+            for dev in devs:
+                running_sha(tel, dev, sha(B["v3"]))
+        finally:
+            for p in procs.values():
+                p.stop()
+
+
+# --- canary abort on simulated agents ---------------------------------------------------------------
+
+def test_canary_abort_when_failures_exceed_max(tmp_path, B):
+    sim = _load_sim()
+    with Broker(tmp_path / "broker") as b:
+        fail = {"sim000"}
+        with sim.SimFleet(10, b.port, tmp_path, B["pub"], B["v1"], processes=2, gate_s=0.1, fail=fail):
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v2"]), "--all", "--canary", "20%",
+                                "--max-failures", "0", "--broker", f"mqtt://127.0.0.1:{b.port}", "--timeout", "120",
+                                "--json"], capture_output=True, text=True, timeout=200)
+            assert r.returncode == 1, r.stderr
+            out = json.loads(r.stdout)
+            st = {d: v["state"] for d, v in out["devices"].items()}
+            assert st["sim000"] == "rolled_back" and st["sim001"] == "committed", st
+            assert all(st[f"sim{i:03d}"] == "skipped" for i in range(2, 10)), st
+            assert "1 device(s) failed or rolled back (max 0)" in out["aborted"]
+            assert out["devices"]["sim005"]["reason"].startswith("rollout aborted")
+            assert "simulated failure" in out["devices"]["sim000"]["reason"]
+            # max-failures 1 lets the same job through the canaries and on to everyone else
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v3"]), "--all", "--canary", "20%",
+                                "--max-failures", "1", "--wave-size", "4", "--broker", f"mqtt://127.0.0.1:{b.port}",
+                                "--timeout", "120", "--json"], capture_output=True, text=True, timeout=200)
+            out = json.loads(r.stdout)
+            assert out["counts"] == {"committed": 9, "rolled_back": 1}, out["counts"]
+            assert out["waves"] == [2, 4, 4]
+
+
+def test_fleet_sim_smoke_10_agents(tmp_path, B):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "fleet-sim.py"), "--agents", "10", "--processes", "2",
+                        "--canary", "20", "--bundle", str(B["v2"]), "--seed-bundle", str(B["v1"]), "--pub",
+                        str(B["pub"]), "--json"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["counts"] == {"committed": 10} and res["waves"] == [2, 8]
+    assert res["per_device"]["bytes_to"] >= res["bundle_bytes"]
+    assert res["broker"]["bytes_sent"] and res["broker"]["bytes_sent"] > 10 * res["bundle_bytes"]

@@ -1,0 +1,166 @@
+"""Real agents for service and update tests: processes, their config files, what they publish.
+
+    AGENT, START_TIMEOUT          how an agent is started, and how long its start may take
+    write_config(path, ...)       an agent.toml from keyword sections
+    AgentProcess                  a real `tandoor-agent` process with its log; stop/kill with signals
+    NotifySocket                  a unix datagram socket as systemd's NOTIFY_SOCKET
+    status_of(rec, dev, ...)      wait for a (retained) status message that satisfies a predicate
+    make_bundles, seed_slots, agent_config, running_sha   update-test bundles and devices
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tandoor_agent.update.slots import SlotStore
+from tandoor_contract import hmod
+
+from .bundle_edit import npy, rewrite, version
+from .cli import BIN, compiled
+from .mosquitto import Recorder
+
+AGENT = os.environ.get("TANDOOR_AGENT", "").split() or [str(BIN / "tandoor-agent")]
+START_TIMEOUT = 180  # importing TVM on a busy 2-core CI machine
+
+
+def write_config(path: Path, **sections) -> Path:
+    """sections: top-level keys, plus broker={...}, camera={...} tables."""
+    lines, tables = [], []
+    for k, v in sections.items():
+        (tables if isinstance(v, dict) else lines).append((k, v))
+    out = [f"{k} = {json.dumps(v)}" for k, v in lines]
+    for name, table in tables:
+        out.append(f"[{name}]")
+        out += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+class NotifySocket:
+    """What systemd listens on for sd_notify: a unix datagram socket; records every message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+        self._stop = False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.messages.append((time.monotonic(), data.decode()))
+
+    def states(self, key: str) -> list[float]:
+        return [t for t, m in self.messages if f"{key}\n" in m + "\n"]
+
+    def close(self) -> None:
+        self._stop = True
+        self._t.join(2)
+        self.sock.close()
+
+
+class AgentProcess:
+    def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
+        self.log = log
+        self._f = open(log, "wb")
+        self.proc = subprocess.Popen([*AGENT, *args], stdout=self._f, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._f.close()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._f.close()
+
+
+def status_of(rec: Recorder, device: str, timeout: float, pred=lambda s: True, what="status"):
+    return rec.wait_for(lambda m: m.topic == f"tandoor/{device}/status" and pred(m.json()), timeout, what).json()
+
+
+def make_bundles(bundles_dir: Path, d: Path) -> dict[str, Path]:
+    """dynamic_batch (1x3x32x32, host + aarch64) by the real CLI; versions signed with k1; a bundle
+    signed with k2; an aarch64-only one; one whose golden output is off (re-signed)."""
+    from tandoor_zoo import models as zoo
+
+    d.mkdir(parents=True, exist_ok=True)
+    for k in ("k1", "k2"):
+        if not (d / f"{k}.pem").exists():
+            hmod.generate_keypair(d / f"{k}.pem", d / f"{k}.pub.pem")
+    base = compiled("dynamic_batch", zoo.dynamic_batch(), bundles_dir, "--input", "input=1x3x32x32")
+    k1 = d / "k1.pem"
+    out = {f"v{i}": rewrite(base, d / f"v{i}.hmod", version(str(i)), k1) for i in range(1, 6)}
+    out["k2"] = rewrite(base, d / "k2.hmod", version("99"), d / "k2.pem")
+    here = hmod.machine_arch()
+
+    def other_arch_only(man, members):
+        for t in [t for t, v in man["targets"].items() if hmod.normalize_arch(v["arch"]) == here]:
+            v = man["targets"].pop(t)
+            members.pop(v["lib"], None)
+            fb = v.get("fallback")
+            for m in (fb.values() if isinstance(fb, dict) else [fb] if fb else []):
+                members.pop(m, None)
+        man["model"]["version"] = "arm-only"
+
+    out["arm"] = rewrite(base, d / "arm.hmod", other_arch_only, k1)
+
+    def tamper_golden(man, members):
+        name = man["golden"][0]["outputs"][0]
+        a = np.load(io.BytesIO(members[name]), allow_pickle=False).copy()
+        a.flat[3] += 0.31
+        members[name] = npy(a)
+        man["model"]["version"] = "bad-golden"
+
+    out["bad_golden"] = rewrite(base, d / "bad_golden.hmod", tamper_golden, k1)
+    out["pub"] = d / "k1.pub.pem"
+    return out
+
+
+def seed_slots(slot_dir: Path, bundle: Path, pub: Path) -> Path:
+    store = SlotStore(slot_dir)
+    store.install(bundle, "seed", [pub])
+    store.commit("seeded by the test")
+    return slot_dir
+
+
+def agent_config(wd: Path, dev: str, port: int, slot_dir: Path, pub: Path) -> Path:
+    return write_config(wd / f"{dev}.toml", device_id=dev, slot_dir=str(slot_dir), trusted_keys=[str(pub)],
+                        delegate="onnxruntime", telemetry_period_s=1.0, results_max_rate_hz=5.0,
+                        broker={"port": port, "reconnect_min_s": 0.5, "reconnect_max_s": 2.0, "keepalive_s": 10},
+                        camera={"source": "synthetic:64x48@20"})
+
+
+def running_sha(rec: Recorder, dev: str, want: str, timeout: float = 60) -> dict:
+    """The device's (retained) status says it serves ``want``: a fresh subscriber each time."""
+    with Recorder(rec.port, f"tandoor/{dev}/status") as fresh:
+        return status_of(fresh, dev, timeout, lambda s: s.get("online") and s.get("state") == "running"
+                         and (s.get("model") or {}).get("sha256") == want, f"{dev} serving {want[:12]}")
