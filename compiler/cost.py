@@ -63,6 +63,19 @@ def op_flops(call: relax.Call) -> float:
         return 0.0
 
 
+def module_flops(func: relax.Function) -> float:
+    """Work of a whole function: every operator call's op_flops."""
+    total = 0.0
+
+    def visit(e):
+        nonlocal total
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op):
+            total += op_flops(e)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return total
+
+
 def op_bytes(call: relax.Call) -> int:
     """Bytes an op reads and writes: its tensor arguments (weights included) and its result."""
     total = _tensor_bytes(call.ty)
@@ -150,7 +163,7 @@ def model_tvm_us(func: relax.Function, arch: str) -> float:
 
 def _region_kernels(func: relax.Function) -> list[tuple[list[relax.Call], int]]:
     """A merged region's composites as kernels: (op calls, bytes read and written)."""
-    from .partition import _calls, _local_composites
+    from .partition import _local_composites, calls as _calls
 
     out = []
     for comp in _local_composites(func):

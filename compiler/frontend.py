@@ -39,6 +39,7 @@ class LoadedModel:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     notes: list[str] = field(default_factory=list)
+    overwritten: bool = False         # --input replaced a static dim of the model's input
 
 
 def parse_input_specs(specs: list[str] | tuple[str, ...]) -> dict[str, list[int]]:
@@ -114,4 +115,5 @@ def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> Loa
     name = model.graph.name or path.stem
     if name in ("main_graph", "torch_jit", "torch-jit-export", ""):
         name = path.stem
-    return LoadedModel(path, sha, re.sub(r"[^A-Za-z0-9_]", "_", name), folded, inputs, outputs, ctx.notes)
+    return LoadedModel(path, sha, re.sub(r"[^A-Za-z0-9_]", "_", name), folded, inputs, outputs, ctx.notes,
+                       ctx.overwritten)

@@ -114,10 +114,16 @@ def to_relax(model):
     from tvm.relax.frontend.onnx import from_onnx
 
     shape_dict = {i.name: i.shape for i in model.inputs}
+    problem = None
     try:
         with _patched():
             return from_onnx(model.proto, shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:
         msg = [m for m in str(err).strip().splitlines() if m.strip()]
-        raise CompileError(f"TVM could not import {model.path.name}: {msg[-1][:300] if msg else type(err).__name__}; "
-                           "export the model with standard ONNX ops (opset 11-21) or report the op") from None
+        problem = msg[-1][:300] if msg else type(err).__name__
+    # raised outside the except block: TVM's half-built module goes with the original error now
+    if model.overwritten:
+        raise CompileError(f"{model.path.name}: the input shape given with --input does not fit the model "
+                           f"(TVM: {problem}); give the shape the model was built for, or one its reshapes accept")
+    raise CompileError(f"TVM could not import {model.path.name}: {problem}; export the model with standard ONNX "
+                       "ops (opset 11-21) or report the op")

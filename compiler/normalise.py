@@ -4,10 +4,11 @@ Each step takes the model and the context (pins, notes) and changes the model in
 appends a note for the manifest when it changed something and raises CompileError (one line,
 exit 2) when the model cannot be made importable. ``STEPS`` runs in this order:
 
-    initializers_out_of_inputs  IR-3/IR-4 files list every weight as a graph input too
-                                (onnx-simplifier and onnxruntime treat them as constants)
     upgrade_old_opset           opsets < 7 have ops no onnxruntime runs (AveragePool-1,
                                 BatchNormalization-6, Gemm-6): onnx's version converter to 13
+                                (first: it needs IR 3's weights still listed as inputs)
+    initializers_out_of_inputs  IR-3/IR-4 files list every weight as a graph input too
+                                (onnx-simplifier and onnxruntime treat them as constants)
     constants_to_initializers   weights as Constant nodes (paddle2onnx) -> initializers, so that
                                 folding and the patterns see constants
     drop_identity               Identity / inference Dropout removed (consumers rewired)
@@ -81,6 +82,7 @@ def initializers_out_of_inputs(model: onnx.ModelProto, ctx: Context) -> None:
     if n:
         del model.graph.input[:]
         model.graph.input.extend(keep)
+        model.ir_version = max(model.ir_version, 4)     # IR 3 required them as inputs; IR 4 does not
         ctx.notes.append(f"{n} initializer(s) were also listed as graph inputs (IR {model.ir_version}); "
                          "treated as constants")
 
@@ -280,8 +282,8 @@ def _first_line(err: Exception) -> str:
 
 
 STEPS: list[Step] = [
-    Step("initializers_out_of_inputs", initializers_out_of_inputs, "weights listed as graph inputs are constants"),
     Step("upgrade_old_opset", upgrade_old_opset, f"opset < {MIN_OPSET} upgraded to {UPGRADE_TO}"),
+    Step("initializers_out_of_inputs", initializers_out_of_inputs, "weights listed as graph inputs are constants"),
     Step("constants_to_initializers", constants_to_initializers, "Constant nodes become initializers"),
     Step("drop_identity", drop_identity, "Identity and inference Dropout removed"),
     Step("tidy_resize_inputs", tidy_resize_inputs, "Resize keeps one of scales/sizes"),

@@ -59,7 +59,7 @@ def _escapes(ctx) -> bool:
     return False
 
 
-def _calls(func: relax.Function) -> list[relax.Call]:
+def calls(func: relax.Function) -> list[relax.Call]:
     """Operator calls (not function calls) of a function body, in binding order."""
     out: list[relax.Call] = []
 
@@ -75,7 +75,7 @@ COUNTED_EXCLUDE = {"relax.call_tir", "relax.call_dps_packed"}
 
 
 def count_ops(func: relax.Function) -> int:
-    return sum(1 for c in _calls(func) if c.op.name not in COUNTED_EXCLUDE)
+    return sum(1 for c in calls(func) if c.op.name not in COUNTED_EXCLUDE)
 
 
 def partition(mod: tvm.IRModule, model_name: str, keep=None) -> PartitionResult:
@@ -105,7 +105,7 @@ def partition(mod: tvm.IRModule, model_name: str, keep=None) -> PartitionResult:
                 pass
         for f in _local_composites(func):
             composites.append(str(f.attrs["Composite"]))
-            ops += [c.op.name for c in _calls(f)]
+            ops += [c.op.name for c in calls(f)]
         symbol = f"{prefix}_acl_{k}"
         parts.append(Partition(symbol, composites, ops, func))
         renames[name] = symbol
@@ -116,7 +116,7 @@ def partition(mod: tvm.IRModule, model_name: str, keep=None) -> PartitionResult:
 
     mod = _apply(mod, parts, renames)
     delegated = sum(len(p.ops) for p in parts if p.delegate)
-    tvm_ops = [(c.op.name, acl.explain(c)) for c in _calls(mod["main"]) if c.op.name not in COUNTED_EXCLUDE]
+    tvm_ops = [(c.op.name, acl.explain(c)) for c in calls(mod["main"]) if c.op.name not in COUNTED_EXCLUDE]
     for p in parts:
         if not p.delegate:
             tvm_ops += [(o, p.reason) for o in p.ops]

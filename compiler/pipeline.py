@@ -1,18 +1,30 @@
 """The compiler, start to finish: ONNX model -> signed hybrid module bundle (.hmod).
 
-    frontend.load     pin shapes, fold shape arithmetic (onnxruntime basic level), check ops
-    frontend.to_relax import with weights as constants, Clip as a clip op
-    passes.optimise   fold constants/BatchNorm, conv to NHWC
-    partition         ACL table (acl.py) -> merged regions -> cost policy -> unique symbols
-    codegen           regions -> orders (+ ONNX rendering, + TVM fallback); rest -> TVM per target
-    golden            onnxruntime on the source model: what the device replays in its self-test
-    hmod.write_bundle manifest + members + sha256s + signature, written atomically
+``compile_model`` runs these stages, each a function below, in this order; an unexpected failure
+in one is an InternalError (exit 3) naming the stage, a bad input a CompileError (exit 2):
+
+    load       frontend.load: read, check, normalise (compiler/normalise.py), pin shapes, fold
+    import     importer.to_relax: ONNX -> Relax with weights as constants
+    optimise   passes.optimise: fold, NHWC, layout transposes cancelled
+    partition  the ACL table -> merged regions -> the cost policy keeps what pays -> symbols
+    codegen    each kept region -> an order (+ ONNX rendering, + TVM fallback module)
+    build      the TVM side and every fallback, per target (aarch64 cross-compiled)
+    golden     onnxruntime on the source model: pairs the device (and the check) replays
+    write      hmod.write_bundle to a temporary name beside the output
+    check      the written bundle's own golden self-test in a separate process (the agent's
+               health check: the host lib with its auto executors and with the TVM fallbacks);
+               a mismatch refuses the bundle, so a wrong one is never written (unless check=False)
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime as _dt
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,10 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import hmod
+from tandoor_contract import durable, hmod
 
-from . import cost, frontend, importer, targets as targets_mod
-from .errors import CompileError
+from . import codegen, cost, frontend, importer, order_onnx, partition, passes, report
+from . import profile as profile_mod
+from . import targets as targets_mod
+from .errors import CompileError, InternalError
 
 TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}   # fp32, as TVM's own ACL tests
 GOLDEN_PAIRS = 2
@@ -31,7 +45,7 @@ GOLDEN_PAIRS = 2
 
 @dataclass
 class Options:
-    input_specs: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)   # "NAME=1x3x224x224" pins
     targets: list[str] = field(default_factory=list)
     key: Path | None = None
     labels: Path | None = None
@@ -43,6 +57,7 @@ class Options:
     name: str | None = None
     version: str = "1"
     profile: Path | None = None   # tandoor profile output: measured numbers over estimates
+    check: bool = True            # run the written bundle's golden self-test before it replaces anything
 
 
 def _tandoor_version() -> str:
@@ -71,21 +86,6 @@ def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None
             "layout": opts.layout, "bgr": bool(opts.bgr)}
 
 
-def _golden(model: frontend.LoadedModel, n: int) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(model.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(20261129)
-    pairs = []
-    for _ in range(n):
-        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in model.inputs}
-        outs = sess.run(None, feeds)
-        pairs.append(([feeds[i.name] for i in model.inputs], [np.asarray(o) for o in outs]))
-    return pairs
-
-
 def _npy(a: np.ndarray) -> bytes:
     import io
 
@@ -94,53 +94,120 @@ def _npy(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
-                  progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Compile and write the bundle. Returns the manifest as written."""
-    import tvm
+STAGES = ("load", "import", "optimise", "partition", "codegen", "build", "golden", "write", "check")
+POLICIES = ("cost", "all", "none")
 
-    from . import codegen, order_onnx, partition, passes
 
-    out_path = Path(out_path)
+@contextlib.contextmanager
+def stage(name: str):
+    """Run one stage: the user's errors pass through; anything else becomes one line naming it.
+    TANDOOR_FAILPOINT=compile:<stage> makes the stage fail (tests of that path)."""
+    try:
+        if os.environ.get("TANDOOR_FAILPOINT") == f"compile:{name}":
+            raise RuntimeError(f"failpoint compile:{name}")
+        yield
+    except (CompileError, hmod.BundleError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        raise InternalError(f"internal error in stage {name}: {type(err).__name__}: {text[:400]}") from err
+
+
+def compile_model(model: str | Path, out: str | Path, opts: Options | None = None, *,
+                  progress: Callable[[str], None] | None = None, **options) -> dict:
+    """Compile ``model`` (an .onnx path) into the bundle ``out`` (.hmod); returns the manifest as
+    written.
+
+    Keyword arguments are the fields of :class:`Options` (``inputs=["x=1x3x224x224"]``,
+    ``targets=["aarch64"]``, ``key=``, ``labels=``, ``mean=``, ``std=``, ``layout=``, ``bgr=``,
+    ``policy="cost"|"all"|"none"``, ``profile=``, ``name=``, ``version=``, ``check=True``), or pass an
+    ``Options``. ``progress(message)`` is called as each stage starts.
+
+    Raises CompileError (bad input, exit 2) or InternalError (a stage failed, exit 3). Nothing is
+    written at ``out`` unless every stage, the self-check included, succeeded.
+    """
+    opts = dataclasses.replace(opts, **options) if opts is not None else Options(**options)
+    say = progress or (lambda s: None)
+    out_path = Path(out)
     if out_path.suffix != hmod.SUFFIX:
         raise CompileError(f"output {out_path} should end in {hmod.SUFFIX}")
     if not out_path.parent.is_dir():
         raise CompileError(f"output directory {out_path.parent} does not exist")
-    if opts.policy not in ("cost", "all", "none"):
-        raise CompileError(f"unknown --policy {opts.policy}; choose cost, all or none")
+    if opts.policy not in POLICIES:
+        raise CompileError(f"unknown --policy {opts.policy}; choose {', '.join(POLICIES)}")
     tgts = targets_mod.resolve(opts.targets)
     key = hmod.load_private_key(opts.key) if opts.key else None
     if opts.labels is not None and not Path(opts.labels).is_file():
         raise CompileError(f"--labels {opts.labels}: no such file")
 
-    progress("loading and folding the ONNX model")
-    model = frontend.load(model_path, opts.input_specs)
-    name = opts.name or model.name
-    preprocess = _preprocess(opts, model.inputs)
-    progress("importing into TVM Relax")
-    mod = importer.to_relax(model)
-    progress("optimising the graph (constants, BatchNorm, NHWC)")
-    mod, facts = passes.optimise(mod)
+    say("loading and normalising the ONNX model")
+    with stage("load"):
+        loaded = frontend.load(model, opts.inputs)
+    preprocess = _preprocess(opts, loaded.inputs)
+    say("importing into TVM Relax")
+    with stage("import"):
+        mod = importer.to_relax(loaded)
+    say("optimising the graph (constants, BatchNorm, NHWC, transposes)")
+    with stage("optimise"):
+        mod, facts = passes.optimise(mod)
+    with stage("partition"):
+        plan = _partition(mod, loaded, opts, tgts, say)
+    say(f"writing orders for {len(plan.kept)} delegated subgraph(s)")
+    with stage("codegen"):
+        members, parts_manifest, fallbacks = _codegen(plan)
+    with stage("build"):
+        target_entries = _build(plan, fallbacks, tgts, members, say)
+    say("recording golden input/output pairs with onnxruntime")
+    with stage("golden"):
+        golden = _golden_members(loaded, members)
+    if opts.labels:
+        members["labels.txt"] = Path(opts.labels).read_bytes()
+    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, preprocess, golden, model)
+    staged = out_path.with_name(f".{out_path.name}.unchecked")
+    try:
+        say(f"writing {out_path.name}")
+        with stage("write"):
+            written = hmod.write_bundle(staged, manifest, members, private_key=key)
+        if opts.check:
+            say("checking the bundle: its golden self-test with the host lib")
+            with stage("check"):
+                _self_check(staged)
+        os.replace(staged, out_path)
+        durable.fsync_dir(out_path.parent)
+    finally:
+        staged.unlink(missing_ok=True)
+    return written
 
-    # --- the keep policy (compiler/cost.py): per subgraph, does its gain beat its boundary? ---
-    from . import profile as profile_mod
 
-    total_flops = _flops(mod["main"])
+@dataclass
+class Plan:
+    """What the partition stage decided: the module with its regions, and the numbers behind it."""
+    name: str
+    result: partition.PartitionResult
+    kept: list[partition.Partition]     # the delegated partitions
+    total_flops: float
+    model_us: float
+    measured: profile_mod.Measured | None   # with compile --profile
+    arch: str
+
+
+def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say) -> Plan:
+    """The ACL table's regions, each kept only if the cost policy (compiler/cost.py) says it pays."""
+    total_flops = cost.module_flops(mod["main"])
     arch = cost.arch_of(tgts)
     measured = None
     if opts.profile is not None:
-        progress(f"checking the profile {Path(opts.profile).name}")
-        measured = profile_mod.load_for_compile(opts.profile, model, arch)
+        say(f"checking the profile {Path(opts.profile).name}")
+        measured = profile_mod.load_for_compile(opts.profile, loaded, arch)
         arch = measured.arch
     model_us = measured.model_tvm_us if measured and measured.model_tvm_us else cost.model_tvm_us(mod["main"], arch)
 
     def keep(p: partition.Partition) -> tuple[bool, str]:
-        f = sum(cost.op_flops(c) for c in partition._calls(p.func))
-        share = f / total_flops if total_flops else 0.0
+        f = sum(cost.op_flops(c) for c in partition.calls(p.func))
         est = cost.estimate(p.func, arch)
         m = measured.subgraph(p) if measured else None
         ok, reason, nums = cost.decide(est, model_us, m)
-        p.est = {"flops": f, "share": round(share, 6), "bytes": est["bytes"],
+        p.est = {"flops": f, "share": round(f / total_flops, 6) if total_flops else 0.0, "bytes": est["bytes"],
                  "boundary_bytes": est["boundary_bytes"], "arch": arch, **nums}
         if measured and m is None:
             p.est["source"] = "estimate (subgraph not in the profile)"
@@ -150,20 +217,25 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
             return True, "policy all (" + reason + ")"
         return ok, reason
 
-    progress("partitioning for ACL")
+    say("partitioning for ACL")
+    name = opts.name or loaded.name
     result = partition.partition(mod, name, keep)
-    kept = [p for p in result.partitions if p.delegate]
+    return Plan(name, result, [p for p in result.partitions if p.delegate], total_flops, model_us, measured, arch)
 
+
+def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
+    """Orders (JSON + weights + ONNX rendering) per kept region, the manifest's partition entries,
+    and each kept region as a TVM module (its fallback) with its weights lifted out."""
     members: dict[str, bytes | Path] = {}
     parts_manifest = []
-    orders: dict[str, tuple[dict, bytes]] = {}  # symbol -> (order, weights blob), delegated only
-    for p in result.partitions:
+    fallbacks = {}
+    for p in plan.result.partitions:
         entry = {"symbol": p.symbol, "ops": [o.removeprefix("relax.") for o in p.ops], "composites": p.composites,
                  "delegate": p.delegate, "reason": p.reason, "est": p.est}
-        if p.delegate and measured and p.est.get("executor"):
+        if p.delegate and plan.measured and p.est.get("executor"):
             entry["executor"] = p.est["executor"]     # hint for the runtime's auto mode
         if p.delegate:
-            order, blob = orders[p.symbol] = codegen.region_to_order(p.func, p.symbol)
+            order, blob = codegen.region_to_order(p.func, p.symbol)
             members[f"orders/{p.symbol}.json"] = json.dumps(order, indent=1, sort_keys=True).encode()
             members[f"orders/{p.symbol}.bin"] = blob
             # the ONNX rendering refers to the weights blob (external data) instead of copying it
@@ -171,82 +243,134 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
                 order, blob, external=f"{p.symbol}.bin").SerializeToString()
             entry.update(order=f"orders/{p.symbol}.json", weights=f"orders/{p.symbol}.bin", onnx=f"orders/{p.symbol}.onnx",
                          onnx_external={f"{p.symbol}.bin": f"orders/{p.symbol}.bin"})
+            # The fallback is compiled without its weights: they are passed in at load time, read from
+            # the order's blob where the bytes are the same (most are), else from a small params member.
+            fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)
+            entry["fallback_params"] = _fallback_params(p.symbol, order, blob, values, members)
+            fallbacks[p.symbol] = fb_mod
         parts_manifest.append(entry)
+    return members, parts_manifest, fallbacks
 
-    from . import report
 
-    graph = report.graph_of(result.mod)
-    lowered = codegen.lower_regions(result.mod)
+def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
+    """The TVM side and every fallback, per target; libs become members."""
+    lowered = codegen.lower_regions(plan.result.mod)
     target_entries = {}
-    # Each fallback is compiled without its weights: they are passed in at load time, read from
-    # the order's blob where the bytes are the same (most are), else from a small params member.
-    fallbacks = {}
-    for p in kept:
-        fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)
-        entry = next(e for e in parts_manifest if e["symbol"] == p.symbol)
-        entry["fallback_params"] = _fallback_params(p.symbol, *orders[p.symbol], values, members)
-        fallbacks[p.symbol] = fb_mod
     with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
         tmpd = Path(tmp)
         for t in tgts:
-            progress(f"compiling the TVM part for {t.name}")
+            say(f"compiling the TVM part for {t.name}")
             lib = tmpd / f"{t.name}.so"
             codegen.build(lowered, t.llvm, lib, t.cross_cc)
             members[f"lib/{t.name}.so"] = lib.read_bytes()
             entry = {"arch": t.arch, "lib": f"lib/{t.name}.so", "llvm": t.llvm, "fallback": {}}
-            for p in kept:
-                progress(f"compiling the TVM fallback of {p.symbol} for {t.name}")
-                fb = tmpd / f"{t.name}.{p.symbol}.so"
-                codegen.build(fallbacks[p.symbol], t.llvm, fb, t.cross_cc)
-                member = f"fallback/{t.name}/{p.symbol}.so"
+            for symbol, fb_mod in fallbacks.items():
+                say(f"compiling the TVM fallback of {symbol} for {t.name}")
+                fb = tmpd / f"{t.name}.{symbol}.so"
+                codegen.build(fb_mod, t.llvm, fb, t.cross_cc)
+                member = f"fallback/{t.name}/{symbol}.so"
                 members[member] = fb.read_bytes()
-                entry["fallback"][p.symbol] = member
+                entry["fallback"][symbol] = member
             target_entries[t.name] = entry
+    return target_entries
 
-        progress("recording golden input/output pairs with onnxruntime")
-        golden = []
-        for k, (ins, outs) in enumerate(_golden(model, GOLDEN_PAIRS)):
-            g = {"inputs": [], "outputs": []}
-            for i, a in enumerate(ins):
-                members[f"golden/input_{k}_{i}.npy"] = _npy(a)
-                g["inputs"].append(f"golden/input_{k}_{i}.npy")
-            for j, a in enumerate(outs):
-                members[f"golden/output_{k}_{j}.npy"] = _npy(a)
-                g["outputs"].append(f"golden/output_{k}_{j}.npy")
-            golden.append(g)
-        if opts.labels:
-            members["labels.txt"] = Path(opts.labels).read_bytes()
 
-        ops_delegated = result.ops_delegated
-        manifest = {
-            "model": {"name": name, "version": opts.version, "source_sha256": model.sha256, "source": Path(model_path).name},
-            "tvm_version": tvm.__version__,
-            "tandoor_version": _tandoor_version(),
-            "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-            "targets": target_entries,
-            "inputs": [{**i.as_dict(), "layout": opts.layout if len(i.shape) == 4 else None} for i in model.inputs],
-            "outputs": [o.as_dict() for o in model.outputs],
-            "preprocess": preprocess,
-            "labels": "labels.txt" if opts.labels else None,
-            "partitions": parts_manifest,
-            "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],
-            "ops_total": result.ops_total,
-            "ops_delegated": ops_delegated,
-            "flops_total": round(total_flops),
-            "flops_delegated": round(sum(p.est.get("flops", 0) for p in kept)),
-            "delegation_ratio": round(ops_delegated / result.ops_total, 4) if result.ops_total else 0.0,
-            "predicted_speedup": round(cost.predicted_speedup(model_us, [p.est for p in kept]), 3),
-            "model_tvm_us": round(model_us, 1),
-            "profile": measured.manifest_entry() if measured else None,
-            "policy": opts.policy,
-            "layout_transposes": facts["layout_transposes"],
-            "golden": golden,
-            "graph": graph,
-            "tolerance": TOLERANCE,
-            "notes": model.notes,
-        }
-        progress(f"writing {out_path.name}")
-        return hmod.write_bundle(out_path, manifest, members, private_key=key)
+def _golden(model: frontend.LoadedModel, n: int) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        sess = ort.InferenceSession(model.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as err:
+        text = " ".join(str(err).split())
+        raise CompileError(f"{model.path.name}: onnxruntime {ort.__version__} cannot run this model ({text[:240]}); "
+                           "the bundle's golden pairs need it as the reference: export the model with ops and "
+                           "opsets onnxruntime runs") from None
+    rng = np.random.default_rng(20261129)
+    pairs = []
+    for _ in range(n):
+        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in model.inputs}
+        outs = sess.run(None, feeds)
+        pairs.append(([feeds[i.name] for i in model.inputs], [np.asarray(o) for o in outs]))
+    return pairs
+
+
+def _golden_members(loaded: frontend.LoadedModel, members: dict) -> list[dict]:
+    golden = []
+    for k, (ins, outs) in enumerate(_golden(loaded, GOLDEN_PAIRS)):
+        g = {"inputs": [], "outputs": []}
+        for i, a in enumerate(ins):
+            members[f"golden/input_{k}_{i}.npy"] = _npy(a)
+            g["inputs"].append(f"golden/input_{k}_{i}.npy")
+        for j, a in enumerate(outs):
+            members[f"golden/output_{k}_{j}.npy"] = _npy(a)
+            g["outputs"].append(f"golden/output_{k}_{j}.npy")
+        golden.append(g)
+    return golden
+
+
+def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, target_entries, preprocess,
+              golden, model) -> dict:
+    import tvm
+
+    result, kept = plan.result, plan.kept
+    return {
+        "model": {"name": plan.name, "version": opts.version, "source_sha256": loaded.sha256, "source": Path(model).name},
+        "tvm_version": tvm.__version__,
+        "tandoor_version": _tandoor_version(),
+        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "targets": target_entries,
+        "inputs": [{**i.as_dict(), "layout": opts.layout if len(i.shape) == 4 else None} for i in loaded.inputs],
+        "outputs": [o.as_dict() for o in loaded.outputs],
+        "preprocess": preprocess,
+        "labels": "labels.txt" if opts.labels else None,
+        "partitions": parts_manifest,
+        "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],
+        "ops_total": result.ops_total,
+        "ops_delegated": result.ops_delegated,
+        "flops_total": round(plan.total_flops),
+        "flops_delegated": round(sum(p.est.get("flops", 0) for p in kept)),
+        "delegation_ratio": round(result.ops_delegated / result.ops_total, 4) if result.ops_total else 0.0,
+        "predicted_speedup": round(cost.predicted_speedup(plan.model_us, [p.est for p in kept]), 3),
+        "model_tvm_us": round(plan.model_us, 1),
+        "profile": plan.measured.manifest_entry() if plan.measured else None,
+        "policy": opts.policy,
+        "layout_transposes": facts["layout_transposes"],
+        "golden": golden,
+        "graph": report.graph_of(result.mod),
+        "tolerance": TOLERANCE,
+        "notes": loaded.notes,
+    }
+
+
+# The check runs where the bundle would: the agent's own health check in a fresh process (the
+# compiler never imports the agent), golden pairs only, with auto's executors and with the TVM
+# fallbacks. A machine with the compiler but not the agent skips it.
+_CHECK = ("import json, sys\n"
+          "from tandoor_agent.update.health import health_check\n"
+          "print(json.dumps([health_check(sys.argv[1], delegate=d, frames=0).to_dict() for d in sys.argv[2:]], "
+          "default=str))\n")
+CHECK_DELEGATES = ("auto", "tvm")
+
+
+def _self_check(path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("tandoor_agent") is None:
+        return
+    res = subprocess.run([sys.executable, "-c", _CHECK, str(path), *CHECK_DELEGATES], capture_output=True,
+                         text=True, timeout=1800)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[")]
+    if res.returncode != 0 or not lines:
+        tail = " ".join((res.stderr or res.stdout).strip().splitlines()[-1:])[:300]
+        raise InternalError(f"internal error in stage check: the self-check process failed ({tail})")
+    for delegate, rep in zip(CHECK_DELEGATES, json.loads(lines[-1])):
+        if not rep.get("ok"):
+            raise CompileError(
+                f"the compiled bundle does not reproduce the model (self-check with {delegate} executors: "
+                f"{rep.get('reason')}); nothing was written. Report the model's traits, or use --no-check "
+                "to write it anyway")
 
 
 def _fallback_params(symbol: str, order: dict, blob: bytes, values: list[np.ndarray], members: dict) -> list[dict]:
@@ -280,18 +404,3 @@ def _fallback_params(symbol: str, order: dict, blob: bytes, values: list[np.ndar
     if extra:
         members[f"fallback/{symbol}.params.bin"] = bytes(extra)
     return out
-
-
-def _flops(func) -> float:
-    from tvm import relax
-    import tvm as _tvm
-
-    total = 0.0
-
-    def visit(e):
-        nonlocal total
-        if isinstance(e, relax.Call) and isinstance(e.op, _tvm.ir.Op):
-            total += cost.op_flops(e)
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return total

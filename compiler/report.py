@@ -22,10 +22,24 @@ def summary(bundle: hmod.Bundle) -> dict:
     info["partitions"] = [{"symbol": p["symbol"], "ops": p["ops"], "delegate": p["delegate"], "reason": p["reason"],
                            "est": p.get("est", {})} for p in m["partitions"]]
     info["tvm_ops"] = m.get("tvm_ops", [])
+    info["tvm_ops_by_op"] = tvm_ops_by_op(info["tvm_ops"])
     info["layout_transposes"] = m.get("layout_transposes")
+    info["flops_total"], info["flops_delegated"] = m.get("flops_total"), m.get("flops_delegated")
+    info["flops_share"] = (round(m["flops_delegated"] / m["flops_total"], 4)
+                           if m.get("flops_total") and m.get("flops_delegated") is not None else None)
     info["policy"] = m.get("policy")
     info["signed"] = bundle.signed
     return info
+
+
+def tvm_ops_by_op(tvm_ops: list[dict]) -> list[dict]:
+    """The ops left to TVM, one row per op: how many, and each reason with its count."""
+    by: dict[str, Counter] = {}
+    for o in tvm_ops:
+        by.setdefault(o["op"], Counter())[o["reason"]] += 1
+    rows = [{"op": op, "count": sum(c.values()), "reasons": [{"reason": r, "count": n} for r, n in c.most_common()]}
+            for op, c in by.items()]
+    return sorted(rows, key=lambda r: (-r["count"], r["op"]))
 
 
 def print_summary(info: dict) -> None:
@@ -39,9 +53,11 @@ def print_summary(info: dict) -> None:
     c.print("inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in info["inputs"]))
     c.print("outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o['shape']}" for o in info["outputs"]))
     c.print("targets: " + ", ".join(f"{t} ({v['arch']})" for t, v in info["targets"].items()))
-    c.print(f"ops delegated to ACL: {info['ops_delegated']}/{info['ops_total']} "
-            f"(ratio {info['delegation_ratio']:.2f}), predicted speedup {info['predicted_speedup']:.2f}x, "
-            f"policy {info['policy']}, layout transposes added: {info['layout_transposes']}")
+    share = f"{info['flops_share']:.1%} of the FLOPs, " if info.get("flops_share") is not None else ""
+    c.print(f"delegated to ACL: {share}{info['ops_delegated']}/{info['ops_total']} ops "
+            f"(ratio {info['delegation_ratio']:.2f}) in {sum(p['delegate'] for p in info['partitions'])} subgraph(s); "
+            f"predicted speedup {info['predicted_speedup']:.2f}x, policy {info['policy']}, "
+            f"layout transposes: {info['layout_transposes']}")
     t = Table(title="subgraphs")
     # the reasons are long sentences: beside the table only on a wide console, else listed below it
     wide = c.width >= 140
@@ -67,8 +83,11 @@ def print_summary(info: dict) -> None:
         t.add_column("op")
         t.add_column("count")
         t.add_column("why")
-        for (op, why), n in Counter((o["op"], o["reason"]) for o in info["tvm_ops"]).most_common():
-            t.add_row(op, str(n), why)
+        for row in info["tvm_ops_by_op"]:
+            reasons = row["reasons"]
+            why = reasons[0]["reason"] if len(reasons) == 1 else "; ".join(
+                f"x{r['count']}: {r['reason']}" for r in reasons)
+            t.add_row(row["op"], str(row["count"]), why)
         c.print(t)
 
 

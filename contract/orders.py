@@ -76,14 +76,14 @@ OPS: dict[str, OpType] = {op.name: op for op in [
     OpType("prelu", "x if x >= 0 else slope * x, slope broadcast from the right (per channel in NHWC)",
            weights={"slope": "broadcastable to the input"}),
     OpType("pool2d", "max or average pooling, NHWC",
-           attrs={"kind": Attr("str", "max | avg", True, ("max", "avg")), "pool_size": Attr("ints", "[kh, kw]", True),
+           attrs={"kind": Attr("str", "max or avg", True, ("max", "avg")), "pool_size": Attr("ints", "[kh, kw]", True),
                   "strides": Attr("ints", "[sh, sw]"), "padding": _PADDING, "ceil_mode": Attr("bool", "ONNX ceil_mode"),
                   "count_include_pad": Attr("bool", "average counts padded cells")}),
     OpType("global_pool2d", "max or mean over H and W, NHWC -> N,1,1,C",
-           attrs={"kind": Attr("str", "max | avg", True, ("max", "avg"))}),
+           attrs={"kind": Attr("str", "max or avg", True, ("max", "avg"))}),
     OpType("binary", "elementwise with numpy broadcasting; a constant operand is a weight",
            inputs=(0, 2),
-           attrs={"kind": Attr("str", "add | sub | mul | div | max | min", True,
+           attrs={"kind": Attr("str", "the operation", True,
                                ("add", "sub", "mul", "div", "max", "min")),
                   "activation": _ACT},
            weights={"lhs?": "a constant left operand (the op's inputs are then the right one)",
@@ -100,7 +100,7 @@ OPS: dict[str, OpType] = {op.name: op for op in [
                   "value": Attr("float", "the fill value")}),
     OpType("softmax", "softmax over one axis", attrs={"axis": Attr("int", "non-negative", True)}),
     OpType("resize2d", "spatial resize, NHWC",
-           attrs={"method": Attr("str", "nearest | linear", True, ("nearest", "linear")),
+           attrs={"method": Attr("str", "nearest or linear", True, ("nearest", "linear")),
                   "coordinate_transformation_mode": Attr("str", "TVM/ONNX coordinate mode"),
                   "rounding_method": Attr("str", "nearest: TVM's rounding name ('' = its default)"),
                   "size": Attr("ints", "[h, w] of the output", True)}),
@@ -174,11 +174,18 @@ def _check_attr(op: str, name: str, a: Attr, v: Any) -> str | None:
 
 def markdown_table() -> str:
     """The op types as the format doc shows them (docs/bundle-format.md is tested against it)."""
-    rows = ["| type | what | attrs | weights |", "|---|---|---|---|"]
+    def attr(n: str, a: Attr) -> str:
+        choices = f": {'/'.join(a.choices)}" if a.choices else ""
+        return f"{n}{'' if a.required else '?'} ({a.doc}{choices})"
+
+    rows = ["| type | what | inputs | attrs | weights |", "|---|---|---|---|---|"]
     for t in OPS.values():
-        attrs = ", ".join(f"{n}{'' if a.required else '?'}" for n, a in t.attrs.items()) or "-"
-        weights = ", ".join(f"{r} ({d})" for r, d in t.weights.items()) or "-"
-        rows.append(f"| `{t.name}` | {t.doc} | {attrs} | {weights} |")
+        lo, hi = t.inputs
+        ins = str(lo) if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+        attrs = "; ".join(attr(n, a) for n, a in t.attrs.items()) or "-"
+        weights = "; ".join(f"{r} ({d})" for r, d in t.weights.items()) or "-"
+        rows.append(f"| `{t.name}` | {t.doc} | {ins} | {attrs} | {weights} |")
     rows.append("")
-    rows.append("Activation kinds: " + "; ".join(f"`{k}` {d}" for k, d in ACTIVATIONS.items()) + ".")
+    rows.append("Activation objects are null or `{kind, ...}`: " + "; ".join(
+        f"`{k}` {d}" for k, d in ACTIVATIONS.items()) + ".")
     return "\n".join(rows)

@@ -1,22 +1,108 @@
-"""`tandoor`: the host-side tools (compile, inspect, verify, keygen)."""
+"""`tandoor`: the host-side tools (compile, inspect, verify, bench, profile, keygen, fleet).
+
+Every command answers a bad input with one line naming the problem and the fix (exit 2, or the
+error family's own code) and an unexpected failure with one line naming where it happened (exit 3);
+``--debug`` (or TANDOOR_DEBUG=1) adds the traceback and what TVM printed natively.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import tempfile
+import traceback
+import warnings
 from pathlib import Path
 
 import click
 
-from tandoor_contract import hmod
-
 from tandoor_compiler.errors import CompileError
-from tandoor_contract import orders
+from tandoor_contract import hmod, orders
+from tandoor_contract.errors import TandoorError
+
+DEBUG = os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
+_native_log: Path | None = None     # where fd 2 goes while a command runs (without --debug)
 
 
-def _fail(err: Exception) -> None:
+def _fail(err: BaseException) -> None:
+    if DEBUG:
+        traceback.print_exception(err.__cause__ or err, file=sys.stderr)
     click.echo(f"tandoor: error: {err}", err=True)
     sys.exit(getattr(err, "exit_code", 2))
+
+
+def _set_debug(ctx, param, value) -> None:
+    global DEBUG
+    if value:
+        DEBUG = True
+
+
+def debug_option(f):
+    return click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
+                        help="On failure, print the traceback and what TVM printed natively.")(f)
+
+
+class _Tool(click.Group):
+    """The tandoor group: turns any error that reaches it into the one-line answer, and keeps what
+    native code prints on fd 2 (TVM's C++ warnings, a compiler's chatter) off the user's screen
+    unless --debug: fd 2 goes to a log file, Python's stderr to the real terminal."""
+
+    def invoke(self, ctx):
+        global DEBUG
+        DEBUG = DEBUG or "--debug" in sys.argv[1:]     # a subcommand's --debug is parsed later than this
+        if not DEBUG:
+            warnings.simplefilter("ignore")     # TVM's importer warns about renamed inputs and the like
+        with contextlib.ExitStack() as stack:
+            if not DEBUG:
+                stack.enter_context(_native_stderr_to_log())
+            try:
+                return super().invoke(ctx)
+            except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+                raise
+            except KeyboardInterrupt:
+                click.echo("tandoor: interrupted; nothing was written", err=True)
+                sys.exit(130)
+            except TandoorError as err:
+                _fail(err)
+            except Exception as err:
+                cmd = ctx.invoked_subcommand or "tandoor"
+                text = " ".join(str(err).split()) or type(err).__name__
+                _fail(_Internal(f"internal error in {cmd}: {type(err).__name__}: {text[:300]}; rerun with "
+                                "--debug for the traceback", err))
+
+
+class _Internal(TandoorError):
+    exit_code = 3
+
+    def __init__(self, msg: str, cause: BaseException) -> None:
+        super().__init__(msg)
+        self.__cause__ = cause
+
+
+@contextlib.contextmanager
+def _native_stderr_to_log():
+    global _native_log
+    fd, path = tempfile.mkstemp(prefix="tandoor-native-", suffix=".log")
+    _native_log = Path(path)
+    sys.stderr.flush()
+    real = os.dup(2)
+    os.dup2(fd, 2)
+    os.close(fd)
+    old = sys.stderr
+    sys.stderr = os.fdopen(real, "w", buffering=1, closefd=False)
+    try:
+        yield
+    finally:
+        import gc
+
+        gc.collect()               # native objects freed now print their farewells into the log
+        sys.stderr.flush()
+        sys.stderr = old
+        os.dup2(real, 2)
+        os.close(real)
+        _native_log.unlink(missing_ok=True)
 
 
 def _floats(text: str | None, opt: str) -> list[float] | None:
@@ -28,8 +114,9 @@ def _floats(text: str | None, opt: str) -> list[float] | None:
         raise CompileError(f"{opt} '{text}': expected comma-separated numbers such as 0.485,0.456,0.406") from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Tool, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tandoor")
+@debug_option
 def main() -> None:
     """Tandoor: compile ONNX vision models into ACL-partitioned hybrid modules for ARM boards."""
 
@@ -56,36 +143,42 @@ def main() -> None:
                    "Refused when its key (model, shapes, library versions) does not match.")
 @click.option("--name", help="Model name in the manifest (default: from the ONNX graph or file name).")
 @click.option("--model-version", "version", default="1", show_default=True, help="Model version in the manifest.")
+@click.option("--no-check", is_flag=True,
+              help="Write the bundle without running its golden self-test first (the check refuses a bundle "
+                   "whose outputs differ from onnxruntime's on the source model).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version, quiet):
+@debug_option
+def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
+            no_check, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
     from tandoor_compiler.pipeline import Options, compile_model
 
-    console = Console(stderr=True, quiet=quiet)
-    try:
-        opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
-                       layout, bgr, policy, name, version, profile)
-        with console.status("compiling") as status:
-            def progress(msg: str) -> None:
-                status.update(msg)
-                console.log(msg)
-            manifest = compile_model(model, out, opts, progress)
-    except (CompileError, hmod.BundleError) as err:
-        _fail(err)
+    opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
+                   layout, bgr, policy, name, version, profile, check=not no_check)
+    console = Console(stderr=True, quiet=quiet, log_path=False)
+    with console.status("compiling") as status:
+        def progress(msg: str) -> None:
+            status.update(msg)
+            console.log(msg)
+        p = compile_model(model, out, opts, progress=progress)
+    kept = [x for x in p["partitions"] if x["delegate"]]
+    share = p.get("flops_delegated", 0) / p["flops_total"] if p.get("flops_total") else 0.0
+    for note in p.get("notes") or ():
+        console.print(f"[yellow]note[/] {note}")
     console.print(
-        f"[green]wrote[/] {out}: {manifest['ops_delegated']}/{manifest['ops_total']} ops to ACL "
-        f"(ratio {manifest['delegation_ratio']:.2f}) in {sum(p['delegate'] for p in manifest['partitions'])} subgraph(s), "
-        f"targets {', '.join(manifest['targets'])}, predicted speedup {manifest['predicted_speedup']:.2f}x"
-        + (", signed" if key else "")
-    )
+        f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL in "
+        f"{len(kept)} subgraph(s), {p['layout_transposes']} layout transpose(s), targets {', '.join(p['targets'])}, "
+        f"predicted speedup {p['predicted_speedup']:.2f}x" + (", signed" if key else "")
+        + ("" if opts.check else ", NOT self-checked (--no-check)"))
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--graph", type=click.Path(dir_okay=False, path_type=Path), help="Draw the partitioned graph (SVG).")
+@debug_option
 def inspect(bundle, as_json, graph):
     """Show what runs where: ACL subgraphs, ops left to TVM and why, ratio, predicted speedup."""
     from tandoor_compiler import report
@@ -112,6 +205,7 @@ def inspect(bundle, as_json, graph):
               show_default=True, help="Executor for the delegated subgraphs.")
 @click.option("--random", "n_random", default=3, show_default=True, help="Random inputs besides the golden ones.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@debug_option
 def verify(bundle, reference, delegate, n_random, as_json):
     """Run the bundle's host lib against MODEL.onnx in onnxruntime; exit 1 past tolerance."""
     from .verify import verify as run_verify
@@ -150,6 +244,7 @@ def verify(bundle, reference, delegate, n_random, as_json):
               help="Include Arm NN even when it has only CpuRef (a reference implementation, seconds per inference).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write the latency breakdown as a PNG.")
+@debug_option
 def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json, plot):
     """onnxruntime vs TVM only vs the hybrid module per executor, in one process."""
     from rich.console import Console
@@ -185,6 +280,7 @@ def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json
 @click.option("--executor", "executors", multiple=True, type=click.Choice(orders.EXECUTORS),
               help="Executors to measure (repeatable). Default: all; the unavailable ones are reported.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+@debug_option
 def profile(bundle, out, runs, warmup, executors, as_json):
     """Measure every subgraph of BUNDLE on every executor and the TVM side, on this machine."""
     from rich.console import Console

@@ -81,3 +81,25 @@ def test_the_readme_layout_table_matches_the_tree():
     for d in ("contract", "compiler", "agent/run", "agent/serve", "agent/update", "agent/telemetry", "fleet",
               "host", "zoo", "tests", "scripts", "docs"):
         assert d in listed, f"{d}/ is not in the README's layout table"
+
+
+def test_the_format_doc_shows_the_op_vocabulary_as_the_code_defines_it():
+    from tandoor_contract import orders
+
+    text = (ROOT / "docs" / "bundle-format.md").read_text()
+    start = text.index("<!-- ops table: generated, do not edit -->\n") + len("<!-- ops table: generated, do not edit -->\n")
+    end = text.index("\n<!-- end of ops table -->")
+    assert text[start:end] == orders.markdown_table(), "regenerate the table with orders.markdown_table()"
+
+
+def test_every_order_op_type_has_an_onnx_rendering_and_an_armnn_builder():
+    from tandoor_agent.run.executors.armnn import ArmnnExecutor
+    from tandoor_compiler import acl
+    from tandoor_compiler.order_onnx import _Renderer
+    from tandoor_contract import orders
+
+    for t in orders.OPS:
+        assert hasattr(_Renderer, f"_op_{t}"), f"order op {t} has no ONNX rendering"
+        assert hasattr(ArmnnExecutor, f"_op_{t}"), f"order op {t} has no Arm NN builder"
+    emitted = {e.order_type for e in acl.ENTRIES}
+    assert emitted == set(orders.OPS), f"op types no ACL entry writes: {set(orders.OPS) - emitted}"
