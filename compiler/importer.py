@@ -6,7 +6,7 @@ ones that emit plain Relax ops (and restored after, even on error):
 
     Clip (opset >= 11)   constant bounds -> relax.clip (two call_tir max/min otherwise)
     Pad (opset >= 11)    constant mode -> relax.nn.pad (topi's pad as call_tir otherwise)
-    Max / Min / Sum      of non-constant tensors -> pairwise maximum / minimum / add
+    Max / Min / Sum / Mean  of non-constant tensors -> pairwise maximum / minimum / add (/ n)
                          (broadcast_to + stack + reduce otherwise)
 """
 
@@ -69,11 +69,17 @@ def _pad(original):
 
 def _pairwise(original):
     import tvm
+    from tvm import relax
 
     def impl(cls, bb, inputs, attr, params):
-        if len(inputs) < 2 or all(isinstance(i, tvm.ir.GenericConst) for i in inputs) or cls.binary_op is None:
+        if all(isinstance(i, tvm.ir.GenericConst) for i in inputs) or cls.binary_op is None:
             return original.__func__(cls, bb, inputs, attr, params)
-        return functools.reduce(lambda a, b: bb.normalize(cls.binary_op(a, b)), inputs)
+        if len(inputs) == 1:
+            return inputs[0]
+        out = functools.reduce(lambda a, b: bb.normalize(cls.binary_op(a, b)), inputs)
+        if cls.__name__ == "Mean":
+            out = relax.op.divide(out, relax.const(float(len(inputs)), str(inputs[0].ty.dtype)))
+        return out
 
     return impl
 
@@ -86,7 +92,7 @@ def _overrides():
     for v in ("_impl_v11", "_impl_v18", "_impl_v19", "_impl_v21", "_impl_v23"):
         if v in vars(fe.Pad):
             out.append((fe.Pad, v, _pad))
-    for cls in (fe.Max, fe.Min, fe.Sum):
+    for cls in (fe.Max, fe.Min, fe.Sum, fe.Mean):
         out.append((cls, "_impl_v1", _pairwise))
     return out
 

@@ -11,6 +11,7 @@ exit 2) when the model cannot be made importable. ``STEPS`` runs in this order:
                                 (onnx-simplifier and onnxruntime treat them as constants)
     constants_to_initializers   weights as Constant nodes (paddle2onnx) -> initializers, so that
                                 folding and the patterns see constants
+    refuse_training_only_ops    BatchNormalization in training mode refused (export in eval mode)
     drop_identity               Identity / inference Dropout removed (consumers rewired)
     tidy_resize_inputs          Resize with both scales and sizes (one empty: tf2onnx, keras):
                                 the empty one dropped; a scale that no output size expresses refused
@@ -18,6 +19,9 @@ exit 2) when the model cannot be made importable. ``STEPS`` runs in this order:
                                 --overwrite-input-shape); stale output shapes cleared
     drop_stale_value_info       converters' value_info and output shapes dropped, shapes inferred
                                 again (strict: a pinned shape that breaks the graph is refused)
+    decompose_depth_space       DepthToSpace/SpaceToDepth as Reshape-Transpose-Reshape (both modes)
+    conv_transpose_output_shape ConvTranspose's output_shape as pads + output_padding (the spec's
+                                formula; TVM's importer ignores output_shape)
     fold_with_onnxruntime       onnxruntime's basic level: shape chains, Conv+BN, Pad+Conv folded
 
 onnxruntime's quantization pre-processing (``quant_pre_process``) does the same three things
@@ -93,6 +97,8 @@ def upgrade_old_opset(model: onnx.ModelProto, ctx: Context) -> None:
         return
     from onnx import version_converter
 
+    _prelu6_slopes_per_channel(model)
+
     try:
         up = version_converter.convert_version(model, UPGRADE_TO)
     except Exception as err:
@@ -101,6 +107,124 @@ def upgrade_old_opset(model: onnx.ModelProto, ctx: Context) -> None:
                            f">= {MIN_OPSET}") from None
     model.CopyFrom(up)
     ctx.notes.append(f"opset {v} upgraded to {UPGRADE_TO} with onnx's version converter")
+
+
+def _prelu6_slopes_per_channel(model: onnx.ModelProto) -> None:
+    """PRelu before opset 7 applies a 1-D slope of C values per channel (axis 1); from opset 7 on,
+    slopes broadcast from the right. The version converter does not adapt them: reshape such a
+    slope to [C, 1, ...] so that it keeps its meaning."""
+    inits = _inits(model)
+    try:
+        ranks = {vi.name: len(vi.type.tensor_type.shape.dim)
+                 for vi in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    except Exception:
+        ranks = {}
+    ranks.update({vi.name: len(vi.type.tensor_type.shape.dim) for vi in model.graph.input})
+    for node in model.graph.node:
+        if node.op_type != "PRelu" or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        t = inits[node.input[1]]
+        rank = ranks.get(node.input[0], 0)
+        if len(t.dims) == 1 and t.dims[0] > 1 and rank > 2:
+            shape = [t.dims[0]] + [1] * (rank - 2)
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).reshape(shape), t.name))
+            for vi in model.graph.input:      # IR 3 lists it as an input too, with its old shape
+                if vi.name == t.name:
+                    vi.type.tensor_type.shape.ClearField("dim")
+                    for d in shape:
+                        vi.type.tensor_type.shape.dim.add().dim_value = d
+
+
+def refuse_training_only_ops(model: onnx.ModelProto, ctx: Context) -> None:
+    """BatchNormalization in training mode (batch statistics, updated running means) is not
+    inference; nor is a Dropout whose mask is used."""
+    for node in model.graph.node:
+        attrs = {a.name: a for a in node.attribute}
+        if node.op_type == "BatchNormalization" and "training_mode" in attrs and attrs["training_mode"].i:
+            raise CompileError(f"{ctx.path.name}: BatchNormalization node '{node.name or node.output[0]}' is in "
+                               "training mode; export the model in inference (eval) mode")
+
+
+def decompose_depth_space(model: onnx.ModelProto, ctx: Context) -> None:
+    """DepthToSpace / SpaceToDepth as Reshape -> Transpose -> Reshape, exactly as the ONNX spec
+    defines them (TVM's importer ignores SpaceToDepth's newer CRD mode)."""
+    shapes = _shapes(model)
+    new_nodes, n = [], 0
+    for node in model.graph.node:
+        if node.op_type not in ("DepthToSpace", "SpaceToDepth") or node.domain not in ("", "ai.onnx"):
+            new_nodes.append(node)
+            continue
+        dims = shapes.get(node.input[0])
+        if not dims or len(dims) != 4 or not all(isinstance(d, int) and d > 0 for d in dims):
+            new_nodes.append(node)
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        bs = attrs["blocksize"].i
+        mode = attrs["mode"].s.decode() if "mode" in attrs else "DCR"
+        b, c, h, w = dims
+        if node.op_type == "DepthToSpace":
+            first = [b, bs, bs, c // bs ** 2, h, w] if mode == "DCR" else [b, c // bs ** 2, bs, bs, h, w]
+            perm = [0, 3, 4, 1, 5, 2] if mode == "DCR" else [0, 1, 4, 2, 5, 3]
+            final = [b, c // bs ** 2, h * bs, w * bs]
+        else:
+            first = [b, c, h // bs, bs, w // bs, bs]
+            perm = [0, 3, 5, 1, 2, 4] if mode == "DCR" else [0, 1, 3, 5, 2, 4]
+            final = [b, c * bs ** 2, h // bs, w // bs]
+        base = (node.name or node.output[0]).replace("/", "_")
+        s1, s2 = f"{base}__shape6", f"{base}__shape4"
+        model.graph.initializer.extend([numpy_helper.from_array(np.array(first, np.int64), s1),
+                                        numpy_helper.from_array(np.array(final, np.int64), s2)])
+        new_nodes += [onnx.helper.make_node("Reshape", [node.input[0], s1], [f"{base}__r6"]),
+                      onnx.helper.make_node("Transpose", [f"{base}__r6"], [f"{base}__t6"], perm=perm),
+                      onnx.helper.make_node("Reshape", [f"{base}__t6", s2], [node.output[0]])]
+        n += 1
+    if n:
+        del model.graph.node[:]
+        model.graph.node.extend(new_nodes)
+        ctx.notes.append(f"{n} DepthToSpace/SpaceToDepth node(s) written as Reshape-Transpose-Reshape")
+
+
+def conv_transpose_output_shape(model: onnx.ModelProto, ctx: Context) -> None:
+    """ConvTranspose with an output_shape attribute -> the pads and output_padding that give that
+    shape (the ONNX spec's formula); TVM's importer ignores output_shape."""
+    shapes, inits = _shapes(model), _inits(model)
+    for node in model.graph.node:
+        attrs = {a.name: a for a in node.attribute}
+        if node.op_type != "ConvTranspose" or "output_shape" not in attrs:
+            continue
+        dims = shapes.get(node.input[0])
+        wdims = list(inits[node.input[1]].dims) if node.input[1] in inits else shapes.get(node.input[1])
+        if not dims or not wdims or not all(isinstance(d, int) for d in list(dims[2:]) + list(wdims[2:])):
+            continue
+        out = list(attrs["output_shape"].ints)[-len(dims[2:]):]
+        k = list(attrs["kernel_shape"].ints) if "kernel_shape" in attrs else list(wdims[2:])
+        nd = len(k)
+        st = list(attrs["strides"].ints) if "strides" in attrs else [1] * nd
+        dil = list(attrs["dilations"].ints) if "dilations" in attrs else [1] * nd
+        op = list(attrs["output_padding"].ints) if "output_padding" in attrs else [0] * nd
+        upper = "auto_pad" in attrs and attrs["auto_pad"].s == b"SAME_UPPER"
+        begin, end, extra = [], [], []
+        for i in range(nd):
+            total = st[i] * (dims[2 + i] - 1) + op[i] + ((k[i] - 1) * dil[i] + 1) - out[i]
+            if total < 0:           # a larger output than the kernel covers: output padding
+                begin.append(0), end.append(0), extra.append(op[i] - total)
+                continue
+            lo, hi = (total // 2, total - total // 2) if upper else (total - total // 2, total // 2)
+            begin.append(lo), end.append(hi), extra.append(op[i])
+        for name in ("output_shape", "auto_pad", "pads", "output_padding"):
+            if name in attrs:
+                node.attribute.remove(attrs[name])
+        node.attribute.extend([onnx.helper.make_attribute("pads", begin + end),
+                               onnx.helper.make_attribute("output_padding", extra)])
+        ctx.notes.append(f"ConvTranspose '{node.name or node.output[0]}': output_shape {out} as pads {begin + end}")
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, list]:
+    try:
+        m = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:
+        m = model
+    return {vi.name: dims_of(vi) for vi in list(m.graph.value_info) + list(m.graph.input) + list(m.graph.output)}
 
 
 def constants_to_initializers(model: onnx.ModelProto, ctx: Context) -> None:
@@ -139,14 +263,18 @@ def drop_identity(model: onnx.ModelProto, ctx: Context) -> None:
     rename: dict[str, str] = {}
     keep, n = [], 0
     for node in g.node:
-        drop = (node.op_type == "Identity" or
-                (node.op_type == "Dropout" and (len(node.output) == 1 or not node.output[1])))
-        if drop and node.domain in ("", "ai.onnx") and node.output[0] not in outputs:
-            src = node.input[0]
-            rename[node.output[0]] = rename.get(src, src)
-            n += 1
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Identity", "Dropout"):
+            keep.append(node)
             continue
-        keep.append(node)
+        if node.op_type == "Dropout" and len(node.output) > 1 and node.output[1]:
+            keep.append(node)           # its mask is used: not an inference Dropout
+            continue
+        src = rename.get(node.input[0], node.input[0])
+        if node.output[0] in outputs:   # a graph output keeps its name: an Identity makes it
+            keep.append(onnx.helper.make_node("Identity", [src], [node.output[0]], name=node.name))
+        else:
+            rename[node.output[0]] = src
+        n += 1
     if not n:
         return
     for node in keep:
@@ -285,10 +413,13 @@ STEPS: list[Step] = [
     Step("upgrade_old_opset", upgrade_old_opset, f"opset < {MIN_OPSET} upgraded to {UPGRADE_TO}"),
     Step("initializers_out_of_inputs", initializers_out_of_inputs, "weights listed as graph inputs are constants"),
     Step("constants_to_initializers", constants_to_initializers, "Constant nodes become initializers"),
+    Step("refuse_training_only_ops", refuse_training_only_ops, "training-mode BatchNormalization refused"),
     Step("drop_identity", drop_identity, "Identity and inference Dropout removed"),
     Step("tidy_resize_inputs", tidy_resize_inputs, "Resize keeps one of scales/sizes"),
     Step("pin_inputs", pin_inputs, "dynamic dims pinned, static ones overwritten by --input"),
     Step("drop_stale_value_info", drop_stale_value_info, "exporter shapes dropped, shapes inferred again"),
+    Step("decompose_depth_space", decompose_depth_space, "DepthToSpace/SpaceToDepth as reshapes and a transpose"),
+    Step("conv_transpose_output_shape", conv_transpose_output_shape, "ConvTranspose output_shape as pads"),
     Step("fold_with_onnxruntime", fold_with_onnxruntime, "onnxruntime's basic-level folding"),
 ]
 

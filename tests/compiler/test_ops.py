@@ -39,13 +39,14 @@ class Case:
     inits: dict[str, np.ndarray] = field(default_factory=dict)
     composites: tuple[str, ...] = ()   # each must be in a delegated partition's composites
     check_order: object = None          # optional: f(list of order ops) -> None
+    opset: int = 17
 
     def model_bytes(self) -> bytes:
         vi = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)  # noqa: E731
         inits = [numpy_helper.from_array(np.asarray(a), n) for n, a in self.inits.items()]
         g = helper.make_graph(self.nodes, self.name, [vi(n, s) for n, s in self.inputs.items()],
                               [vi(n, s) for n, s in self.outputs.items()], inits)
-        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=8).SerializeToString()
 
 
 N = helper.make_node
@@ -140,6 +141,53 @@ LAYOUT_OPS = [
     _resize("resize_linear_align_corners", "linear", "align_corners", None, (8, 8), (13, 13)),
 ]
 
+# Detection and dense-prediction ops (real YOLO/CenterFace/PicoDet/DBNet exports have each)
+DETECTION = [
+    Case("conv_transpose_k2s2", [N("ConvTranspose", ["x", "w", "b"], ["y"], strides=[2, 2], kernel_shape=[2, 2])], X,
+         Y(1, 3, 16, 16), {"w": _w(4, 3, 2, 2), "b": _w(3)}, ("acl.conv2d_transpose_bias",)),
+    Case("conv_transpose_k3s2_outpad", [N("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2], kernel_shape=[3, 3],
+                                          pads=[1, 1, 1, 1], output_padding=[1, 1])],
+         X, Y(1, 2, 16, 16), {"w": _w(4, 2, 3, 3)}, ("acl.conv2d_transpose",)),
+    Case("prelu_per_channel", [N("PRelu", ["x", "s"], ["y"])], X, Y(1, 4, 8, 8), {"s": _w(4, 1, 1)}, ("acl.prelu",)),
+    Case("prelu_scalar", [N("PRelu", ["x", "s"], ["y"])], X, Y(1, 4, 8, 8), {"s": np.array([0.25], np.float32)},
+         ("acl.prelu",)),
+    Case("slice_focus", [N("Slice", ["x", "st", "en", "ax", "sp"], ["a"]), N("Slice", ["x", "st2", "en", "ax", "sp"], ["b"]),
+                         N("Concat", ["a", "b"], ["y"], axis=1)], X, Y(1, 8, 4, 4),
+         {"st": np.array([0, 0], np.int64), "st2": np.array([1, 1], np.int64), "en": np.array([8, 8], np.int64),
+          "ax": np.array([2, 3], np.int64), "sp": np.array([2, 2], np.int64)}, ("acl.strided_slice", "acl.concat")),
+    Case("split_channels", [N("Split", ["x", "parts"], ["a", "b"], axis=1), N("Add", ["a", "b"], ["y"])], X, Y(1, 2, 8, 8),
+         {"parts": np.array([2, 2], np.int64)}, ("acl.strided_slice", "acl.add")),
+    Case("pad_asymmetric", [N("Pad", ["x", "pads", "v"], ["y"])], X, Y(1, 4, 9, 11),
+         {"pads": np.array([0, 0, 0, 1, 0, 0, 1, 2], np.int64), "v": np.array(0.5, np.float32)}, ("acl.pad",)),
+    _binary("div", "Div", "acl.divide"),
+    _binary("div_const", "Div", "acl.divide", (1, 4, 1, 1)),
+    _binary("max", "Max", "acl.maximum"),
+    _binary("min_const", "Min", "acl.minimum", (1, 4, 1, 1)),
+    Case("silu", [N("Sigmoid", ["x"], ["s"]), N("Mul", ["x", "s"], ["y"])], X, Y(1, 4, 8, 8), {}, ("acl.silu",)),
+    Case("conv_bias_silu", [N("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]), N("Sigmoid", ["c"], ["s"]),
+                            N("Mul", ["c", "s"], ["y"])], X, Y(1, 8, 8, 8), {"w": _w(8, 4, 3, 3), "b": _w(8)},
+         ("acl.conv2d_bias_silu",)),
+    _unary("hardsigmoid", "HardSigmoid", "acl.hardsigmoid", alpha=0.2, beta=0.5),
+    Case("hardswish_op", [N("HardSwish", ["x"], ["y"])], X, Y(1, 4, 8, 8), {}, ("acl.hardswish_hsig",), opset=14),
+    Case("hardswish_mul_sixth", [N("Add", ["x", "three"], ["a"]), N("Clip", ["a", "zero", "six"], ["c"]),
+                                 N("Mul", ["x", "c"], ["m"]), N("Mul", ["m", "sixth"], ["y"])], X, Y(1, 4, 8, 8),
+         {"three": np.array(3, np.float32), "zero": np.array(0, np.float32), "six": np.array(6, np.float32),
+          "sixth": np.array(1 / 6, np.float32)}, ("acl.hardswish_mul_mul",)),
+    Case("softmax_middle_axis", [N("Softmax", ["x"], ["y"], axis=1)], {"x": [1, 6, 5]}, Y(1, 6, 5), {}, ("acl.softmax",)),
+    Case("reduce_mean_spatial", [N("ReduceMean", ["x", "axes"], ["y"], keepdims=1)], X, Y(1, 4, 1, 1),
+         {"axes": np.array([2, 3], np.int64)}, ("acl.global_avg_pool2d_mean",), opset=18),
+    Case("unsqueeze_squeeze", [N("Unsqueeze", ["x", "ax"], ["u"]), N("Relu", ["u"], ["r"]), N("Squeeze", ["r", "ax"], ["y"])],
+         {"x": [1, 4, 8]}, Y(1, 4, 8), {"ax": np.array([1], np.int64)}, ("acl.expand_dims", "acl.squeeze")),
+    Case("batchnorm_alone", [N("BatchNormalization", ["x", "g", "be", "mu", "var"], ["y"])], X, Y(1, 4, 8, 8),
+         {"g": np.abs(_w(4)) + 0.5, "be": _w(4), "mu": _w(4), "var": np.abs(_w(4)) + 0.5}, ("acl.multiply", "acl.add")),
+    Case("pow_square", [N("Pow", ["x", "two"], ["y"])], X, Y(1, 4, 8, 8), {"two": np.array(2, np.float32)},
+         ("acl.multiply",)),
+    Case("sppf_pools", [N("Conv", ["x", "w"], ["c"]), N("MaxPool", ["c"], ["p1"], kernel_shape=[5, 5], pads=[2, 2, 2, 2]),
+                        N("MaxPool", ["p1"], ["p2"], kernel_shape=[5, 5], pads=[2, 2, 2, 2]),
+                        N("Concat", ["c", "p1", "p2"], ["y"], axis=1)], X, Y(1, 12, 8, 8), {"w": _w(4, 4, 1, 1)},
+         ("acl.conv2d", "acl.max_pool2d", "acl.concat")),
+]
+
 CASES = [
     # conv2d: padding, bias and activation fused into one order op
     _conv("conv", bias=False, pads=[1, 1, 1, 1], composite="acl.conv2d"),
@@ -186,6 +234,7 @@ CASES = [
     Case("softmax", [N("Softmax", ["x"], ["y"], axis=-1)], {"x": [1, 10]}, Y(1, 10), {}, ("acl.softmax",)),
     Case("softmax_rank4", [N("Softmax", ["x"], ["y"], axis=-1)], X, Y(1, 4, 8, 8), {}, ("acl.softmax",)),
     Case("transpose", [N("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])], X, Y(1, 8, 8, 4), {}, ("acl.transpose",)),
+    *DETECTION,
     # a small chain: several composites in one order
     Case("chain", [N("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]), N("Relu", ["c"], ["r"]),
                    N("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]), N("Add", ["p", "k"], ["a"]),
@@ -227,7 +276,8 @@ def _compiled(case: Case, workdir: Path) -> tuple[Path, dict]:
         src = workdir / f"{case.name}.onnx"
         src.write_bytes(case.model_bytes())
         out = workdir / f"{case.name}.hmod"
-        man = compile_model(src, out, Options(targets=[], policy="all"))
+        # check=False: every test below runs the bundle against onnxruntime itself, per executor
+        man = compile_model(src, out, Options(targets=[], policy="all", check=False))
         _bundles[case.name] = (out, man)
     return _bundles[case.name]
 
