@@ -357,3 +357,36 @@ def test_run_remote_drives_the_board_tests_over_ssh(board, tmp_path):
     finally:
         os.killpg(sshd.pid, signal.SIGTERM)
         sshd.wait(30)
+
+
+# --- real pretrained models from registry packages (zoo/wild.py) ------------------------------------
+
+def _wild_bundle(name: str, bundles_dir) -> Path:
+    """The same bundle tests/compiler/test_wild.py compiled (host + aarch64), once per session."""
+    from tandoor_zoo import wild
+
+    m = wild.MODELS[name]
+    pins = [a for pin in m.inputs for a in ("--input", pin)]
+    return compiled(f"wild_{name}", wild.fetch(name), bundles_dir, *pins)
+
+
+def _wild_names() -> list[str]:
+    from tandoor_zoo import wild
+
+    return sorted(wild.MODELS)
+
+
+@pytest.mark.parametrize("name", _wild_names())
+def test_a_real_model_runs_on_cpuacc_and_matches_the_reference(board, bundles_dir, tmp_path, name, record_property):
+    """Detectors and dense models from the wild (YOLOv8, YOLOX, PicoDet, CenterFace, DBNet) and
+    classic CNNs: every Arm NN layer on CpuAcc, outputs within 1e-3 of onnxruntime on the host."""
+    bundle = _wild_bundle(name, bundles_dir)
+    report, outs, secs = run_on_board(board, bundle, tmp_path, "--delegate", "armnn")
+    record_property("board_seconds", round(secs, 1))
+    assert report["subgraphs"], f"{name}: the bundle has no delegated subgraph"
+    for sg in report["subgraphs"]:
+        assert sg["executor"] == "armnn" and not sg.get("fallback_reason"), sg
+        layers = sg.get("layers") or {}
+        assert set(layers) == {"CpuAcc"}, f"{name}: {sg['symbol']} has Arm NN layers off CpuAcc: {layers}"
+    assert_matches(outs, reference(bundle), f"{name} on armnn/CpuAcc")
+    print(f"{name}: armnn/CpuAcc on {board.describe}: {secs:.1f} s (process)")
