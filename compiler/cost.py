@@ -199,7 +199,7 @@ def estimate(func: relax.Function, arch: str) -> dict:
 
 
 def decide(est: dict, model_us: float, measured: dict | None = None,
-           allowed: tuple[str, ...] | None = None) -> tuple[bool, str, dict]:
+           allowed: tuple[str, ...] | None = None, source: str = "profile") -> tuple[bool, str, dict]:
     """Keep the subgraph iff its best executor's gain over TVM beats that executor's bridge.
 
     `measured` (from a profile): {"tvm_us": .., "exec_us": {executor: us}, "bridge_us": {executor: us}}
@@ -208,9 +208,9 @@ def decide(est: dict, model_us: float, measured: dict | None = None,
     tvm_us = est["tvm_us"]
     exec_us = dict(est["exec_us"])
     bridge = dict(est["bridge_us"])
-    source = "estimate"
-    if measured:
-        source = "profile"
+    if not measured:
+        source = "estimate"
+    else:
         if measured.get("tvm_us") is not None:
             tvm_us = float(measured["tvm_us"])
         for e, v in (measured.get("exec_us") or {}).items():
@@ -244,6 +244,19 @@ def decide(est: dict, model_us: float, measured: dict | None = None,
     if gain <= 0:
         return False, f"cost ({source}): {best} is not faster than TVM here: {numbers}", nums
     return False, f"cost ({source}): gain {gain:.1f} us <= bridge {t_b:.1f} us: {numbers}", nums
+
+
+def estimate_error(est: dict, measured: dict) -> dict:
+    """The estimate beside the measurement: estimated microseconds and measured / estimated - 1 per
+    side (TVM and each measured executor), for `tandoor inspect` and for refitting RATES."""
+    out = {"tvm_us": round(est["tvm_us"], 2), "exec_us": {e: round(v, 2) for e, v in est["exec_us"].items()},
+           "error": {}}
+    if measured.get("tvm_us") and est["tvm_us"] > 0:
+        out["error"]["tvm"] = round(float(measured["tvm_us"]) / est["tvm_us"] - 1.0, 3)
+    for e, v in (measured.get("exec_us") or {}).items():
+        if est["exec_us"].get(e):
+            out["error"][e] = round(float(v) / est["exec_us"][e] - 1.0, 3)
+    return out
 
 
 def predicted_speedup(model_us: float, kept: list[dict]) -> float:

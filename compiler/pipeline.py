@@ -58,6 +58,7 @@ class Options:
     version: str = "1"
     profile: Path | None = None   # tandoor profile output: measured numbers over estimates
     check: bool = True            # run the written bundle's golden self-test before it replaces anything
+    measure: str = "auto"         # auto | on | off: decide from times measured here (host targets only)
 
 
 def _tandoor_version() -> str:
@@ -94,7 +95,8 @@ def _npy(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-STAGES = ("load", "import", "optimise", "partition", "codegen", "build", "golden", "write", "check")
+STAGES = ("load", "import", "optimise", "partition", "measure", "codegen", "build", "golden", "write", "check")
+MEASURES = ("auto", "on", "off")
 POLICIES = ("cost", "all", "none")
 
 
@@ -135,6 +137,8 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
         raise CompileError(f"output directory {out_path.parent} does not exist")
     if opts.policy not in POLICIES:
         raise CompileError(f"unknown --policy {opts.policy}; choose {', '.join(POLICIES)}")
+    if opts.measure not in MEASURES:
+        raise CompileError(f"unknown --measure {opts.measure}; choose {', '.join(MEASURES)}")
     tgts = targets_mod.resolve(opts.targets)
     key = hmod.load_private_key(opts.key) if opts.key else None
     if opts.labels is not None and not Path(opts.labels).is_file():
@@ -152,6 +156,11 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
         mod, facts = passes.optimise(mod)
     with stage("partition"):
         plan = _partition(mod, loaded, opts, tgts, say)
+    if _measures(opts, tgts, plan):
+        with stage("measure"):
+            measured = _measure_here(mod, loaded, opts, tgts, say)
+        if measured is not None:
+            plan = _partition(mod, loaded, opts, tgts, say, measured=measured, source="measured here")
     say(f"writing orders for {len(plan.kept)} delegated subgraph(s)")
     with stage("codegen"):
         members, parts_manifest, fallbacks = _codegen(plan)
@@ -191,12 +200,17 @@ class Plan:
     arch: str
 
 
-def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say) -> Plan:
-    """The ACL table's regions, each kept only if the cost policy (compiler/cost.py) says it pays."""
+def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
+               measured: profile_mod.Measured | None = None, policy: str | None = None,
+               source: str = "profile") -> Plan:
+    """The ACL table's regions, each kept only if the cost policy (compiler/cost.py) says it pays:
+    from estimates, from a profile given with --profile, or from ``measured`` here."""
     total_flops = cost.module_flops(mod["main"])
     arch = cost.arch_of(tgts)
-    measured = None
-    if opts.profile is not None:
+    policy = policy or opts.policy
+    if measured is not None:
+        arch = measured.arch
+    elif opts.profile is not None:
         say(f"checking the profile {Path(opts.profile).name}")
         measured = profile_mod.load_for_compile(opts.profile, loaded, arch)
         arch = measured.arch
@@ -206,14 +220,16 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say) -> P
         f = sum(cost.op_flops(c) for c in partition.calls(p.func))
         est = cost.estimate(p.func, arch)
         m = measured.subgraph(p) if measured else None
-        ok, reason, nums = cost.decide(est, model_us, m)
+        ok, reason, nums = cost.decide(est, model_us, m, source=source)
         p.est = {"flops": f, "share": round(f / total_flops, 6) if total_flops else 0.0, "bytes": est["bytes"],
                  "boundary_bytes": est["boundary_bytes"], "arch": arch, **nums}
+        if m is not None:   # what the estimate said, beside what was measured: how far off it was
+            p.est["estimated"] = cost.estimate_error(est, m)
         if measured and m is None:
             p.est["source"] = "estimate (subgraph not in the profile)"
-        if opts.policy == "none":
+        if policy == "none":
             return False, "policy none: everything runs in TVM"
-        if opts.policy == "all":
+        if policy == "all":
             return True, "policy all (" + reason + ")"
         return ok, reason
 
@@ -221,6 +237,50 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say) -> P
     name = opts.name or loaded.name
     result = partition.partition(mod, name, keep)
     return Plan(name, result, [p for p in result.partitions if p.delegate], total_flops, model_us, measured, arch)
+
+
+def _measures(opts: Options, tgts, plan: Plan) -> bool:
+    """Measure when the decisions are for this machine (no board target), the cost policy decides,
+    no profile was given, and there is something to decide."""
+    if opts.measure == "off" or opts.profile is not None or opts.policy != "cost" or not plan.result.partitions:
+        return False
+    here = all(getattr(t, "name", "host") == "host" for t in tgts)
+    if opts.measure == "on" and not here:
+        raise CompileError("--measure on needs host-only targets: a board's times come from the board "
+                           "(tandoor-agent profile there, then compile --profile)")
+    return here
+
+
+def _measure_here(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say) -> profile_mod.Measured | None:
+    """Every candidate region delegated (policy all), built for this machine, then timed here by
+    the agent's own profiler in a fresh process (`tandoor-agent profile`, a few runs each): the
+    times the cost policy then decides from. Without the agent installed, the estimates decide."""
+    agent = Path(sys.executable).parent / "tandoor-agent"
+    if not agent.exists():
+        return None
+    host = [t for t in tgts if t.name == "host"]
+    candidates = _partition(mod, loaded, opts, host, say, policy="all")
+    members, parts_manifest, fallbacks = _codegen(candidates)
+    target_entries = _build(candidates, fallbacks, host, members, say)
+    golden = _golden_members(loaded, members)
+    manifest = _manifest(loaded, opts, candidates, {"layout_transposes": 0}, parts_manifest, target_entries,
+                         None, golden, loaded.path)
+    with tempfile.TemporaryDirectory(prefix="tandoor-measure-") as tmp:
+        bundle, prof = Path(tmp) / "candidates.hmod", Path(tmp) / "profile.json"
+        hmod.write_bundle(bundle, manifest, members)
+        # Arm NN here is CpuRef unless this is an Arm machine: a reference backend, seconds per call
+        execs = ["onnxruntime", "tvm"] + (["armnn"] if hmod.machine_arch() == "aarch64" else [])
+        say(f"measuring {len(candidates.kept)} candidate subgraph(s) here on {', '.join(execs)}")
+        cmd = [str(agent), "profile", str(bundle), "-o", str(prof), "--runs", str(MEASURE_RUNS),
+               "--warmup", str(MEASURE_WARMUP)] + [a for e in execs for a in ("--executor", e)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if res.returncode != 0:
+            tail = " ".join((res.stderr or res.stdout).strip().splitlines()[-1:])[:300]
+            raise InternalError(f"internal error in stage measure: tandoor-agent profile failed ({tail})")
+        return profile_mod.load_for_compile(prof, loaded, hmod.machine_arch())
+
+
+MEASURE_RUNS, MEASURE_WARMUP = 7, 2
 
 
 def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:

@@ -78,6 +78,14 @@ def print_summary(info: dict) -> None:
     if not wide:
         for p in info["partitions"]:
             c.print(f"[bold]{p['symbol']}[/]: {p['reason']}")
+    for p in info["partitions"]:
+        err = ((p.get("est") or {}).get("estimated") or {}).get("error")
+        if err:   # decided from measurements: how far the estimate was from them
+            c.print(f"[bold]{p['symbol']}[/] estimate vs measured: " + ", ".join(
+                f"{k} {v:+.0%}" for k, v in sorted(err.items())))
+        elif (p.get("est") or {}).get("source", "estimate").startswith("estimate"):
+            c.print(f"[bold]{p['symbol']}[/] decided from estimates (no measurement: a board target without "
+                    "--profile, or --measure off)")
     if info["tvm_ops"]:
         t = Table(title="ops left to TVM")
         t.add_column("op")

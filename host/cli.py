@@ -143,20 +143,24 @@ def main() -> None:
                    "Refused when its key (model, shapes, library versions) does not match.")
 @click.option("--name", help="Model name in the manifest (default: from the ONNX graph or file name).")
 @click.option("--model-version", "version", default="1", show_default=True, help="Model version in the manifest.")
+@click.option("--measure", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Decide what to delegate from times measured on this machine (tandoor-agent profile of every "
+                   "candidate subgraph, a few runs each). auto: when every target is this host; a board target "
+                   "decides from estimates or --profile.")
 @click.option("--no-check", is_flag=True,
               help="Write the bundle without running its golden self-test first (the check refuses a bundle "
                    "whose outputs differ from onnxruntime's on the source model).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
-            no_check, quiet):
+            measure, no_check, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
     from tandoor_compiler.pipeline import Options, compile_model
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
-                   layout, bgr, policy, name, version, profile, check=not no_check)
+                   layout, bgr, policy, name, version, profile, check=not no_check, measure=measure)
     console = Console(stderr=True, quiet=quiet, log_path=False)
     with console.status("compiling") as status:
         def progress(msg: str) -> None:
@@ -171,7 +175,14 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
         f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL in "
         f"{len(kept)} subgraph(s), {p['layout_transposes']} layout transpose(s), targets {', '.join(p['targets'])}, "
         f"predicted speedup {p['predicted_speedup']:.2f}x" + (", signed" if key else "")
-        + ("" if opts.check else ", NOT self-checked (--no-check)"))
+        + f", decided from {_decided_from(p)}" + ("" if opts.check else ", NOT self-checked (--no-check)"))
+
+
+def _decided_from(manifest: dict) -> str:
+    sources = {(x.get("est") or {}).get("source", "estimate") for x in manifest["partitions"]}
+    if not sources:
+        return "nothing (no candidate subgraph)"
+    return " and ".join(sorted("estimates" if s.startswith("estimate") else s for s in sources))
 
 
 @main.command()

@@ -1,5 +1,6 @@
 """The cost policy (compiler/cost.py) on real models through the real pipeline: which subgraphs are
-kept, and that every decision carries its numbers. No timing: estimates are deterministic."""
+kept, and that every decision carries its numbers. The estimate tests compile with measure="off"
+(estimates are deterministic); one test decides from times measured on this machine."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def crafted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def crafted_manifest(crafted, tmp_path_factory):
     out = tmp_path_factory.mktemp("cost") / "crafted.hmod"
-    return compile_model(crafted, out, Options(policy="cost"))
+    return compile_model(crafted, out, Options(policy="cost", measure="off"))
 
 
 def _by_ops(manifest):
@@ -178,3 +179,21 @@ def test_conv_flops_do_not_depend_on_kernel_layout(crafted):
     expect = 2 * hw * hw * 32 * (3 * 9 + 32 * 9)
     assert flops[0] == flops[1] == expect
     assert math.isclose(cost.speedup(0.0, 0), 1.0)
+
+
+def test_host_only_compiles_decide_from_times_measured_here(crafted, tmp_path):
+    """No board target: compile times every candidate subgraph here (tandoor-agent profile) and the
+    cost policy decides from those times; each subgraph keeps the estimate beside the measurement."""
+    man = compile_model(crafted, tmp_path / "measured.hmod", Options(policy="cost"))
+    assert man["profile"] is not None and man["profile"]["arch"] == "x86_64"
+    for p in man["partitions"]:
+        est = p["est"]
+        assert est["source"] == "measured here", est
+        assert p["reason"].startswith("cost (measured here):")
+        assert set(est["estimated"]["error"]) >= {"tvm", "onnxruntime"}
+        assert est["estimated"]["tvm_us"] > 0
+        best = est["executor"]
+        gain = est["tvm_us"] - est["exec_us"][best]
+        assert p["delegate"] == (round(gain, 2) > est["bridge_us"][best]), est
+    off = compile_model(crafted, tmp_path / "estimated.hmod", Options(policy="cost", measure="off"))
+    assert off["profile"] is None and all(p["est"]["source"] == "estimate" for p in off["partitions"])
