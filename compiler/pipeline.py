@@ -217,8 +217,8 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
     model_us = measured.model_tvm_us if measured and measured.model_tvm_us else cost.model_tvm_us(mod["main"], arch)
 
     def keep(p: partition.Partition) -> tuple[bool, str]:
-        f = sum(cost.op_flops(c) for c in partition.calls(p.func))
         est = cost.estimate(p.func, arch)
+        f = est["flops"]      # per call site: a region calls a shared composite function once per use
         m = measured.subgraph(p) if measured else None
         ok, reason, nums = cost.decide(est, model_us, m, source=source)
         p.est = {"flops": f, "share": round(f / total_flops, 6) if total_flops else 0.0, "bytes": est["bytes"],
