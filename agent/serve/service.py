@@ -251,7 +251,8 @@ class Service:
 
             store = SlotStore(cfg["slot_dir"], cfg["trusted_keys"])
         up = Updater(store, cfg.topic_base, self.link.publish_raw, trusted_keys=cfg["trusted_keys"],
-                     delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"])
+                     delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"],
+                     subscribe=self.link.subscribe_raw, unsubscribe=self.link.unsubscribe_raw)
         try:
             for note in up.recover():
                 log.warning("update recovery: %s", note)

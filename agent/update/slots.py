@@ -53,6 +53,7 @@ import logging
 import os
 import shutil
 import threading
+import zipfile
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -155,7 +156,7 @@ _BUNDLE_KINDS = {
 }
 
 
-def _refusal_from(err: hmod.BundleError) -> InstallRefused:
+def refusal_from(err: hmod.BundleError) -> InstallRefused:
     kind = next((k for cls, k in _BUNDLE_KINDS.items() if isinstance(err, cls)), "bundle_error")
     return InstallRefused(f"bundle refused: {err}", kind=kind, exit_code=err.exit_code)
 
@@ -415,6 +416,19 @@ class SlotStore:
     def trial(self) -> dict[str, Any] | None:
         return self.load()["trial"]
 
+    def primary_manifest(self) -> dict[str, Any] | None:
+        """The committed bundle's manifest (read, not re-verified: the file's sha256 is the
+        one recorded at install), or None without a readable primary. For the downgrade check."""
+        p = self.primary_bundle()
+        if p is None:
+            return None
+        try:
+            with zipfile.ZipFile(p) as z:
+                m = json.loads(z.read(hmod.MANIFEST))
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+            return None
+        return m if isinstance(m, dict) else None
+
     def job(self, job_id: str) -> dict[str, Any] | None:
         """What became of a job: {"outcome": trial|committed|rolled_back|failed, "slot", "reason",
         "sha256", "at", "kind"} or None if this store never finished anything for it."""
@@ -552,7 +566,7 @@ class SlotStore:
             try:
                 file_sha, model = self._verify_file(src, keys)
             except hmod.BundleError as e:
-                raise _refusal_from(e) from None
+                raise refusal_from(e) from None
             if expected_sha256 and file_sha != expected_sha256.lower():
                 raise InstallRefused(f"bundle sha256 {file_sha[:16]}... differs from the job's "
                                      f"{expected_sha256[:16]}...", kind="sha256_mismatch")

@@ -185,7 +185,7 @@ def test_malformed_offers_and_a_job_while_another_runs(devs, broker, B):
         rec.publish("tandoor/u1/update/job", bad)
         a = rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack", 20, "error ack").json()
         assert a["state"] == "failed" and a["kind"] == "malformed" and "malformed" in a["reason"], a
-    # busy: job X is offered but its chunks are held back; job Y arrives meanwhile
+    # busy: job X is offered but its chunks are held back; an older job Y arrives meanwhile
     release = threading.Event()
 
     def hold(dev, i, attempt, data):
@@ -197,12 +197,45 @@ def test_malformed_offers_and_a_job_while_another_runs(devs, broker, B):
     rec.clear()
     th.start()
     rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json()["job_id"] == "job-x", 30, "job-x accepted")
-    y = deploy(broker.port, B["v3"], ["u1"], job_id="job-y", timeout=30)["devices"]["u1"]
-    assert y["state"] == "failed" and y["kind"] == "busy" and y["reason"] == "busy: job job-x running", y
+    rec.publish("tandoor/u1/update/job", json.dumps(offer_for(B["v3"], "job-y", issued=1.0)))
+    y = rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json()["job_id"] == "job-y", 30, "job-y").json()
+    assert y["state"] == "failed" and y["kind"] == "busy" and y["running"] == "job-x", y
+    # the refusal names the running job, its progress and when it ends by itself
+    assert y["reason"].startswith("busy: job job-x running (received, 0 of "), y
+    assert "expires" in y["reason"] and y["running_expires"] > time.time(), y
     release.set()  # the device asks again (need) and gets the chunks
     th.join(150)
     assert box["devices"]["u1"]["state"] == "failed" and box["devices"]["u1"]["kind"] == "bad_signature"
     assert rec.on("tandoor/u1/update/need"), "the device asked for the chunks it missed"
+    running_sha(rec, "u1", sha(B["v2"]))
+
+
+def offer_for(bundle: Path, job_id: str, chunk: int = CHUNK, **fields) -> dict:
+    """A valid offer for ``bundle``, written here (not by the fleet code), with ``fields`` on top."""
+    import hashlib
+
+    data = bundle.read_bytes()
+    parts = [data[i:i + chunk] for i in range(0, len(data), chunk)]
+    return {"job_id": job_id, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "chunk_size": chunk,
+            "n_chunks": len(parts), "chunk_sha256": [hashlib.sha256(c).hexdigest() for c in parts],
+            "deadline": time.time() + 300, **fields}
+
+
+def test_a_newer_job_supersedes_one_still_downloading(devs, broker, B):
+    """Job S1's chunks never come (its host died, say); job S2, issued later, takes over at
+    once: S1 ends `cancelled` (kind superseded, naming S2), S2 runs to its own end."""
+    rec = devs["rec"]
+    box = {}
+    th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["v3"], ["u1"], job_id="job-s1",
+                                                           timeout=60, chunk_hook=lambda *a: None)))
+    rec.clear()
+    th.start()
+    rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json()["job_id"] == "job-s1", 30, "s1 accepted")
+    s2 = deploy(broker.port, B["k2"], ["u1"], job_id="job-s2", timeout=60)["devices"]["u1"]
+    assert s2["state"] == "failed" and s2["kind"] == "bad_signature", s2  # its own end, not busy
+    th.join(90)
+    s1 = box["devices"]["u1"]
+    assert s1["state"] == "cancelled" and s1["kind"] == "superseded" and s1["superseded_by"] == "job-s2", s1
     running_sha(rec, "u1", sha(B["v2"]))
 
 
