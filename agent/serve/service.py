@@ -243,6 +243,7 @@ class Service:
         """The update job handler (agent/update/jobs.py); with slot_dir it first recovers the slots
         (a trial left uncommitted is rolled back and reported once connected)."""
         from ..update.jobs import Updater
+        from ..update.slots import StateCorrupt
 
         cfg = self.cfg
         store = None
@@ -256,6 +257,8 @@ class Service:
         try:
             for note in up.recover():
                 log.warning("update recovery: %s", note)
+        except StateCorrupt:
+            raise  # nothing safe to serve: one line saying how to repair
         except Exception as err:
             log.error("slot recovery failed: %s", " ".join(str(err).split()))
         return up

@@ -75,6 +75,7 @@ SLOTS = ("a", "b")
 SLOT_STATES = ("empty", "installing", "trial", "good", "bad")
 BUNDLE_NAME = "model.hmod"
 STATE_NAME = "state.json"
+PREV_NAME = "state.json.prev"  # the state before the last write (recovery from a damaged state.json)
 HISTORY_MAX = 20
 JOBS_MAX = 32
 DEFAULT_RESERVE = 256 * 1024  # bytes kept free after an install (state.json, logs, temp files)
@@ -172,10 +173,18 @@ def _empty_state() -> dict[str, Any]:
             "trial": None, "jobs": {}, "history": []}
 
 
+def _checksum(st: dict[str, Any]) -> str:
+    """sha256 of the state without its checksum: a bit flipped anywhere in the file shows."""
+    body = {k: v for k, v in st.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _check_state(st: Any) -> None:
-    """Schema and invariants; raises ValueError naming the first problem."""
+    """Schema, checksum and invariants; raises ValueError naming the first problem."""
     if not isinstance(st, dict):
         raise ValueError("not a JSON object")
+    if "checksum" in st and st["checksum"] != _checksum(st):
+        raise ValueError("its checksum does not match its content (a damaged file)")
     if st.get("version") != STATE_VERSION:
         raise ValueError(f"version {st.get('version')!r}, expected {STATE_VERSION}")
     slots = st.get("slots")
@@ -330,12 +339,42 @@ class SlotStore:
         return st
 
     def _recover_corrupt(self, raw: bytes, err: Exception) -> dict[str, Any]:
+        """A damaged state.json (truncated, bit-flipped, breaking an invariant): kept aside, then
+        the previous state if it is sound and its primary's bundle is the one recorded (a state
+        one step older is consistent too: every step is safe to lose), else rebuilt from the
+        bundles that verify. With nothing to serve either way: StateCorrupt, saying how to repair."""
         keep = self.dir / f"{STATE_NAME}.corrupt-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S%f')}"
         keep.write_bytes(raw)
+        st = self._previous_state()
+        if st is not None:
+            self._note(f"state.json was corrupt ({err}); kept it as {keep.name} and went back to the previous "
+                       f"state ({PREV_NAME})")
+            self._write(st, "restore")
+            return st
         self._note(f"state.json was corrupt ({err}); kept it as {keep.name} and rebuilt the state "
                    f"from the bundles on disk")
         st = self._rebuild_from_disk(f"state.json was corrupt ({err})")
+        if st["primary"] is None and any(self.bundle_path(s).exists() for s in SLOTS):
+            raise StateCorrupt(f"{self.state_path} is corrupt ({err}), {PREV_NAME} is no help and no slot bundle "
+                               f"verifies with the trusted keys: nothing safe to serve; to repair, copy a signed "
+                               f"bundle to {self.dir / 'current.hmod'} and remove {self.state_path} (it is adopted "
+                               f"at the next start), or set bundle = PATH in the agent's config")
         self._write(st, "rebuild")
+        return st
+
+    def _previous_state(self) -> dict[str, Any] | None:
+        try:
+            st = json.loads((self.dir / PREV_NAME).read_bytes().decode("utf-8"))
+            _check_state(st)
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        p = st["primary"]
+        if p is not None:
+            try:
+                if durable.sha256_file(self.bundle_path(p)) != st["slots"][p]["sha256"]:
+                    return None
+            except OSError:
+                return None
         return st
 
     def _verify_file(self, p: Path, keys: Iterable[hmod.KeySource]) -> tuple[str, dict[str, Any]]:
@@ -445,11 +484,13 @@ class SlotStore:
     # --------------------------------------------------------------------- writing state
     def _write(self, st: dict[str, Any], what: str) -> None:
         """The only way state.json changes: temp file, fsync, atomic rename, fsync the dir."""
+        st.pop("checksum", None)  # the one it was read with; a new one is stamped below
         _check_state(st)
         st["history"] = st["history"][-HISTORY_MAX:]
         if len(st["jobs"]) > JOBS_MAX:
             for old in sorted(st["jobs"], key=lambda j: st["jobs"][j].get("at") or "")[:len(st["jobs"]) - JOBS_MAX]:
                 del st["jobs"][old]
+        st["checksum"] = _checksum(st)
         data = (json.dumps(st, indent=1, sort_keys=True) + "\n").encode("utf-8")
         tmp = self.dir / f".{STATE_NAME}.{os.getpid()}.tmp"
         try:
@@ -458,6 +499,7 @@ class SlotStore:
                 f.flush()
                 os.fsync(f.fileno())
             _step(f"{what}:tmp_written")
+            self._keep_previous()
             os.replace(tmp, self.state_path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -465,6 +507,22 @@ class SlotStore:
         _step(f"{what}:replaced")
         durable.fsync_dir(self.dir)
         self._state = st
+
+    def _keep_previous(self) -> None:
+        """The state being replaced stays as state.json.prev (a hard link: no copy, and
+        state.json never goes missing), the fallback when state.json is found damaged."""
+        prev, link = self.dir / PREV_NAME, self.dir / f".{PREV_NAME}.{os.getpid()}.tmp"
+        try:
+            link.unlink(missing_ok=True)
+            os.link(self.state_path, link)
+            os.replace(link, prev)
+        except FileNotFoundError:
+            pass
+        except OSError:  # a filesystem without hard links: copy it
+            try:
+                durable.atomic_write(prev, self.state_path.read_bytes())
+            except OSError as e:
+                log.warning("cannot keep the previous state: %s", e)
 
     def _set(self, st: dict[str, Any], slot: str, to: str, op: str, reason: str,
              job_id: str | None = None) -> None:

@@ -396,6 +396,7 @@ def test_corrupt_state_json_is_kept_and_the_state_rebuilt(store, B, keys):
     committed(store, B["v2"], "j2", pub)
     garbage = b'{"version": 1, "primary": "b", "slo'
     (store.dir / "state.json").write_bytes(garbage)
+    (store.dir / "state.json.prev").write_bytes(b"\0" * 100)  # the previous state is no help either
     fresh = SlotStore(store.dir, trusted_keys=[pub])
     st = fresh.load()
     kept = list(store.dir.glob("state.json.corrupt-*"))
@@ -410,12 +411,67 @@ def test_corrupt_state_json_is_kept_and_the_state_rebuilt(store, B, keys):
     assert fresh.install(B["v3"], "j3", [pub]) == "b"
 
 
+def test_a_truncated_or_bit_flipped_state_json_goes_back_to_the_previous_state(tmp_path, B, keys):
+    """The state before the last write is kept (state.json.prev, a hard link); state.json cut in
+    half, or with one bit flipped in a sha256 that no invariant would catch (the checksum does),
+    is kept aside and the previous state, one step older and so consistent, comes back: here the
+    trial of j2, which recovery then rolls back, leaving v1 committed and serving."""
+    pub = keys["k1.pub"]
+    for damage in ("truncated", "bit flipped"):
+        store = SlotStore(tmp_path / damage.replace(" ", "-"))
+        committed(store, B["v1"], "j1", pub)
+        committed(store, B["v2"], "j2", pub)
+        good = (store.dir / "state.json").read_bytes()
+        assert json.loads((store.dir / "state.json.prev").read_text())["trial"]["job_id"] == "j2"
+        if damage == "truncated":
+            bad = good[: len(good) // 2]
+        else:
+            want = json.loads(good)["slots"]["b"]["sha256"]
+            i = good.index(want.encode()) + 5
+            bad = good[:i] + bytes([good[i] ^ 0x01]) + good[i + 1:]
+            st = json.loads(bad)  # still valid JSON with every invariant intact: only the checksum sees it
+            st.pop("checksum")
+            slots._check_state(st)
+        (store.dir / "state.json").write_bytes(bad)
+        fresh = SlotStore(store.dir, trusted_keys=[pub])
+        notes = fresh.recover_on_start()
+        assert any("state.json was corrupt" in n and "previous state" in n for n in notes), notes
+        assert [p.read_bytes() for p in store.dir.glob("state.json.corrupt-*")] == [bad]
+        st = assert_consistent(store.dir, pub, sha(B["v1"]))
+        assert st["jobs"]["j2"]["outcome"] == "rolled_back", st["jobs"]
+
+
+def test_nothing_safe_to_serve_refuses_to_start_in_one_line(tmp_path, B, keys):
+    """state.json and its previous copy damaged, and no slot bundle verifies: the real agent
+    refuses to start with one line saying how to repair (exit 24), not a traceback."""
+    from support.agents import write_config
+    from support.cli import run_cli
+
+    pub = keys["k1.pub"]
+    store = SlotStore(tmp_path / "slots")
+    committed(store, B["v1"], "j1", pub)
+    committed(store, B["v2"], "j2", pub)
+    for s_ in ("a", "b"):
+        flip_byte(store.bundle_path(s_), store.bundle_path(s_), "lib/host.so")
+    (store.dir / "state.json").write_bytes(b'{"version": 1, "prim')
+    (store.dir / "state.json.prev").write_bytes(b"")
+    cfg = write_config(tmp_path / "agent.toml", device_id="broken", slot_dir=str(store.dir), trusted_keys=[str(pub)],
+                       broker={"port": 1}, camera={"source": "synthetic:64x48@5"})
+    r = run_cli("tandoor-agent", "--config", str(cfg), timeout=300)
+    assert r.returncode == 24, r.stdout + r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("tandoor-agent: error:")]
+    assert len(err) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "is corrupt" in err[0] and "to repair, copy a signed bundle to" in err[0], err
+
+
 def test_state_that_breaks_an_invariant_is_treated_as_corrupt(store, B, keys):
     pub = keys["k1.pub"]
     committed(store, B["v1"], "j1", pub)
     st = json.loads((store.dir / "state.json").read_text())
     st["slots"]["a"]["state"] = "trial"  # primary in trial: impossible
+    st.pop("checksum")  # as an older agent (or a hand) wrote it: only the invariant is broken
     (store.dir / "state.json").write_text(json.dumps(st))
+    (store.dir / "state.json.prev").unlink()
     fresh = SlotStore(store.dir, trusted_keys=[pub])
     assert fresh.primary() == "a"
     assert any("primary slot a is trial, not good" in n for n in fresh.notes)
@@ -428,6 +484,7 @@ def test_corrupt_state_and_a_damaged_bundle(store, B, keys):
     committed(store, B["v2"], "j2", pub)
     flip_byte(store.bundle_path("a"), store.bundle_path("a"), "lib/host.so")
     (store.dir / "state.json").write_text("not json")
+    (store.dir / "state.json.prev").unlink()
     fresh = SlotStore(store.dir, trusted_keys=[pub])
     st = fresh.load()
     assert st["primary"] == "b" and st["slots"]["a"]["state"] == "bad"

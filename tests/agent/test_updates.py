@@ -426,3 +426,94 @@ def test_full_disk_while_staging_is_refused_and_the_old_model_keeps_serving(wd, 
                 a.stop()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# --- no stuck device: the deploy killed mid-transfer ------------------------------------------------
+
+def padded(B: dict, name: str, mb: int, version_: str) -> Path:
+    """``B["v2"]`` made ``mb`` MiB bigger (random bytes in a listed member), signed with k1: a
+    transfer that takes long enough to be killed in the middle."""
+    import os
+
+    from support.bundle_edit import rewrite
+
+    out = B["pub"].parent / f"{name}.hmod"
+    if not out.exists():
+        def edit(man, members):
+            man["model"]["version"] = version_
+            members["padding.bin"] = os.urandom(mb << 20)
+        rewrite(B["v2"], out, edit, B["pub"].parent / "k1.pem")
+    return out
+
+
+def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, broker, B):
+    """`tandoor fleet deploy` SIGKILLed in the middle of a transfer, with a stall timeout of 600 s
+    in its offer: the device sits in `received`, part of the bundle on disk. `tandoor fleet cancel`
+    drops the job there at once (cancelled, with how far it got); a new deploy then commits
+    without waiting for the dead job's timeout, and the dead job's offer offered again is answered
+    from the record (cancelled), not resumed."""
+    dev = "stuck"
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    big = padded(B, "v2-big", 24, "2")
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec)
+        try:
+            host = subprocess.Popen([str(BIN / "tandoor"), "fleet", "deploy", str(big), "--devices", dev, "--broker", url,
+                                     "--job-id", "job-dead", "--chunk-size", str(CHUNK), "--stall-timeout", "600",
+                                     "--timeout", "900"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            first = rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json()["job_id"] == "job-dead",
+                                 60, "the offer accepted").json()
+            assert first["state"] == "received" and first["count"] == 0, first
+            host.kill()  # SIGKILL: no goodbye, chunks stop mid-transfer
+            assert host.wait(10) == -9
+            part = sd / "staging" / "job-dead.hmod.part"
+            assert part.exists(), "a partial download is on the device"
+            t0 = time.monotonic()
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "cancel", "job-dead", "--devices", dev, "--broker", url,
+                                "--json"], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr
+            c = json.loads(r.stdout)[dev]
+            assert c["state"] == "cancelled" and c["kind"] == "cancelled", c
+            assert c["count"] < c["n_chunks"], c  # it was cut in the middle
+            assert not part.exists(), "the partial download is gone"
+            out = deploy(broker.port, B["v3"], [dev], job_id="job-after", timeout=120)
+            assert out["devices"][dev]["state"] == "committed", out
+            assert time.monotonic() - t0 < 120, "no wait for the dead job's 600 s stall timeout"
+            running_sha(rec, dev, sha(B["v3"]))
+            # the dead job offered again (a late retry): answered from the record, nothing resumed
+            again = deploy(broker.port, big, [dev], job_id="job-dead", timeout=60)["devices"][dev]
+            assert again["state"] == "cancelled" and again.get("repeated") is True, again
+            running_sha(rec, dev, sha(B["v3"]))
+        finally:
+            a.stop()
+
+
+def test_an_older_bundle_is_refused_unless_the_job_allows_a_downgrade(wd, broker, B):
+    """TUF's rollback-attack defence: v1, validly signed, offered to a device on v3 is refused
+    (`failed`, kind downgrade, naming both versions) and v3 keeps serving; the same bundle with
+    --allow-downgrade commits. (`tandoor fleet rollback` to the previous slot is a command, not an
+    offer, and stays allowed: test_rollback_command_returns_to_the_previous_slot.)"""
+    dev = "down"
+    sd = seed_slots(wd / f"{dev}-slots", B["v3"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec)
+        try:
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v1"]), "--devices", dev, "--broker", url,
+                                "--job-id", "job-replay", "--json"], capture_output=True, text=True, timeout=200)
+            assert r.returncode == 1, r.stdout + r.stderr
+            d = json.loads(r.stdout)["devices"][dev]
+            assert d["state"] == "failed" and d["kind"] == "downgrade", d
+            assert "version 1 is older than the committed version 3" in d["reason"] and "--allow-downgrade" in d["reason"]
+            running_sha(rec, dev, sha(B["v3"]))
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v1"]), "--devices", dev, "--broker", url,
+                                "--job-id", "job-downgrade", "--allow-downgrade", "--json"],
+                               capture_output=True, text=True, timeout=200)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert json.loads(r.stdout)["devices"][dev]["state"] == "committed"
+            running_sha(rec, dev, sha(B["v1"]))
+        finally:
+            a.stop()
