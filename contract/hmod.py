@@ -336,6 +336,8 @@ def _check_name(name: str) -> None:
 
 def _check_entry(info: zipfile.ZipInfo) -> None:
     mode = info.external_attr >> 16
+    if not info.filename:  # before is_dir(), which indexes the name (the bundle fuzzer found it)
+        raise UnsafeMember("a member has an empty name")
     # Checked whatever create_system claims: a crafted zip can say "DOS" and still carry a link.
     if info.is_dir() or info.external_attr & 0x10 or stat.S_ISDIR(mode):
         raise UnsafeMember(f"member {info.filename!r} is a directory entry")

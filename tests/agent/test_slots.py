@@ -696,3 +696,100 @@ def test_kill9_at_every_step_recovers_to_a_committed_slot(tmp_path, B, keys, flo
             restarted.install(new, "j2", [pub])
             assert (d / "state.json").read_bytes() == before
         shutil.rmtree(d)
+
+
+# --- 7. hostile bundles, fuzzed ------------------------------------------------------------------
+
+def _zip_with(entries: list[tuple[zipfile.ZipInfo | str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for info, data in entries:
+            z.writestr(info, data)
+    return buf.getvalue()
+
+
+def _hostile_cases(base: bytes, rng) -> list[tuple[str, bytes]]:
+    """(label, bundle bytes): flipped bytes anywhere, truncations, huge members, path tricks."""
+    cases = []
+    for _ in range(1200):
+        i = int(rng.integers(0, len(base)))
+        cases.append((f"flip@{i}", base[:i] + bytes([base[i] ^ int(rng.integers(1, 256))]) + base[i + 1:]))
+    for _ in range(200):
+        n = int(rng.integers(0, len(base)))
+        cases.append((f"truncated@{n}", base[:n]))
+    with zipfile.ZipFile(io.BytesIO(base)) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    man = members["manifest.json"]
+    for name in ("../escape.so", "/abs/escape.so", "lib/../../escape.so", "lib\\escape.so", "lib/./x.so",
+                 "lib//x.so", "nul\x00.so", "C:/escape.so", "lib/", ""):
+        info = zipfile.ZipInfo(name or "x")
+        if not name:
+            info.filename = ""
+        cases.append((f"name {name!r}", _zip_with([("manifest.json", man), (info, b"\x7fELF")])))
+    for mode, what in ((0o120777, "symlink"), (0o020644, "char device"), (0o010644, "fifo"), (0o040755, "directory")):
+        info = zipfile.ZipInfo("lib/host.so")
+        info.external_attr = mode << 16
+        cases.append((what, _zip_with([("manifest.json", man), (info, b"/etc/passwd")])))
+    cases.append(("duplicate member", _zip_with([("manifest.json", man), *members.items(), ("lib/host.so", b"evil")])))
+    cases.append(("extra member of 20 MiB", _zip_with([*members.items(), ("lib/extra.so", bytes(20 << 20))])))
+    cases.append(("manifest of 8 MiB", _zip_with([("manifest.json", b" " * (8 << 20) + man),
+                                                   *[(n, d) for n, d in members.items() if n != "manifest.json"]])))
+    # a member whose headers claim 8 GiB: the sizes in the local and central headers are lies
+    lie = bytearray(base)
+    for sig, off in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
+        at = lie.find(sig, lie.find(b"lib/host.so") - 200 if sig == b"PK\x03\x04" else 0)
+        while at != -1 and b"lib/host.so" not in bytes(lie[at:at + 120]):
+            at = lie.find(sig, at + 4)
+        if at != -1:
+            lie[at + off:at + off + 4] = (0xFFFFFFF0).to_bytes(4, "little")
+    cases.append(("a member claiming 4 GiB", bytes(lie)))
+    comp = io.BytesIO()
+    with zipfile.ZipFile(comp, "w", zipfile.ZIP_DEFLATED) as z:
+        for n, d in members.items():
+            z.writestr(n, d)
+        z.writestr("lib/bomb.so", bytes(64 << 20))  # 64 MiB of zeros in a few KiB: a decompression bomb
+    cases.append(("deflated, with a bomb", comp.getvalue()))
+    return cases
+
+
+@pytest.mark.filterwarnings("ignore:Duplicate name:UserWarning")  # the duplicate-member case, on purpose
+def test_hostile_bundles_are_each_refused_with_a_reason_and_never_used(tmp_path, B, keys, capsys):
+    """A seeded mutation loop over a real signed bundle, through the device's install gate
+    (SlotStore.install, what every update job goes through): every case is refused with an
+    InstallRefused naming a kind and a reason, or (a flip in zip metadata that no reader uses)
+    installs exactly the original members; nothing lands outside the slot directory, nothing is
+    extracted, the committed slot keeps serving v1. The number of cases is printed."""
+    import numpy as np
+
+    pub = keys["k1.pub"]
+    store = SlotStore(tmp_path / "slots")
+    committed(store, B["v1"], "seed", pub)
+    base = B["v2"].read_bytes()
+    with zipfile.ZipFile(B["v2"]) as z:
+        originals = {n: z.read(n) for n in z.namelist()}
+    outside = set(p.name for p in tmp_path.iterdir())
+    src = tmp_path / "case.hmod"
+    kinds: dict[str, int] = {}
+    accepted = 0
+    cases = _hostile_cases(base, np.random.default_rng(20261201))
+    for k, (label, data) in enumerate(cases):
+        src.write_bytes(data)
+        try:
+            slot = store.install(src, f"fuzz-{k}", [pub])
+        except InstallRefused as e:
+            assert e.kind and e.kind not in ("install_refused",) and str(e), (label, e)
+            assert "\n" not in str(e), (label, str(e))
+            kinds[e.kind] = kinds.get(e.kind, 0) + 1
+            continue
+        except Exception as e:  # anything else is a bug: a traceback where a reason belongs
+            pytest.fail(f"{label}: {type(e).__name__}: {e}")
+        accepted += 1
+        with zipfile.ZipFile(store.bundle_path(slot)) as z:
+            assert {n: z.read(n) for n in z.namelist()} == originals, label
+        store.rollback("fuzz: the next case")
+    print(f"\nhostile bundles: {len(cases)} cases, {len(cases) - accepted} refused {dict(sorted(kinds.items()))}, "
+          f"{accepted} harmless flips installed the original members unchanged")
+    assert len(cases) >= 1400 and accepted < len(cases) // 10
+    assert set(p.name for p in tmp_path.iterdir()) - {"case.hmod", "slots"} == outside - {"case.hmod", "slots"}
+    assert not list(tmp_path.rglob("escape.so")) and not list(tmp_path.rglob("*bomb*"))
+    assert_consistent(store.dir, pub, sha(B["v1"]))
