@@ -164,6 +164,8 @@ class Service:
             s["camera"] = self.source.name
         if self.error:
             s["error"] = self.error
+        if self.updater is not None and self.updater.notice:
+            s["update"] = self.updater.notice  # e.g. a crash loop rolled back at this start
         return s
 
     def request_stop(self, reason: str) -> None:
@@ -253,7 +255,8 @@ class Service:
             store = SlotStore(cfg["slot_dir"], cfg["trusted_keys"])
         up = Updater(store, cfg.topic_base, self.link.publish_raw, trusted_keys=cfg["trusted_keys"],
                      delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"],
-                     subscribe=self.link.subscribe_raw, unsubscribe=self.link.unsubscribe_raw)
+                     subscribe=self.link.subscribe_raw, unsubscribe=self.link.unsubscribe_raw,
+                     served=lambda: self.frames)
         try:
             for note in up.recover():
                 log.warning("update recovery: %s", note)

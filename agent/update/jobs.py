@@ -89,6 +89,8 @@ FINALS_KEPT = 64
 DOWNLOAD_QUEUE = 8                  # chunks a URL download may have waiting for the worker
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 TRANSPORTS = ("mqtt", "url")
+BOOT_ATTEMPTS = 3                   # starts a new commit may die in before it is rolled back
+CONFIRM_FRAMES = 10                 # frames a new commit serves before its starts stop counting
 CRASH_ENV = "TANDOOR_UPDATE_CRASH_AT"  # tests: SIGKILL the agent right after acking this state
 
 
@@ -249,7 +251,8 @@ class Updater:
                  device_id: str | None = None, need_interval_s: float = 2.0,
                  max_chunk_retries: int = 3, stall_timeout_s: float = 600.0,
                  health_timeout_s: float = 300.0, subscribe: Callable[[str], Any] | None = None,
-                 unsubscribe: Callable[[str], Any] | None = None) -> None:
+                 unsubscribe: Callable[[str], Any] | None = None, served: Callable[[], int] | None = None,
+                 boot_attempts: int = BOOT_ATTEMPTS, confirm_frames: int = CONFIRM_FRAMES) -> None:
         self.store = store
         self.base = base
         self.prefix = base.rsplit("/", 1)[0]
@@ -270,6 +273,10 @@ class Updater:
         self.topic = {leaf: protocol.topic(self.prefix, self.device_id, leaf) for leaf in (
             protocol.UPDATE_JOB, protocol.UPDATE_CHUNK, protocol.UPDATE_ACK, protocol.UPDATE_NEED,
             protocol.UPDATE_CANCEL, protocol.UPDATE_KEYS)}
+        self.served = served              # frames served so far (the crash-loop counter needs it)
+        self.boot_attempts, self.confirm_frames = boot_attempts, confirm_frames
+        self._boot_base: int | None = None  # frames served when the unconfirmed commit started serving
+        self.notice: dict | None = None     # for the next birth message: a crash loop rolled back
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.RLock()
         self._active: _Job | None = None
@@ -320,6 +327,8 @@ class Updater:
         notes = self.store.recover_on_start()
         for n in notes:
             log.warning("slot recovery: %s", n)
+        if self.served is not None:
+            self._count_boot(notes)
         if before and before.get("job_id"):
             jid = before["job_id"]
             rec = self.store.job(jid) or {}
@@ -337,6 +346,26 @@ class Updater:
         except OSError:
             pass
         return notes
+
+    def _count_boot(self, notes: list[str]) -> None:
+        """A committed model that has not served yet counts this start; past the limit it is
+        rolled back and reported (the final ack once connected, and the birth message)."""
+        r = self.store.begin_boot(self.boot_attempts)
+        if r is not None:
+            self._final(r["job_id"], "rolled_back", r["reason"], kind="crash_loop", publish_now=False,
+                        slot=r["slot"], attempts=r["attempts"])
+            self.notice = {"rolled_back": r["job_id"], "kind": "crash_loop", "reason": r["reason"],
+                           "slot": r["slot"], "serving": r["to"], "attempts": r["attempts"]}
+            notes.append(r["reason"])
+        if self.store.boot_pending():
+            self._boot_base = 0
+
+    def _confirm_boot(self) -> None:
+        if self._boot_base is not None and self.served is not None and \
+                self.served() - self._boot_base >= self.confirm_frames:
+            self._boot_base = None
+            self.store.confirm_boot()
+            log.info("the committed model served %d frames: confirmed", self.confirm_frames)
 
     def _resumable(self, p: Path) -> _Job | None:
         """The persisted offer at ``p`` as a job to resume, or None (and the files removed)."""
@@ -522,6 +551,7 @@ class Updater:
                 return
             try:
                 handlers[ev[0]](*ev[1:])
+                self._confirm_boot()
                 self._tick()
             except Exception as e:  # never let one message take the updater down
                 log.exception("update worker: %s", e)
@@ -869,6 +899,8 @@ class Updater:
         if swap_error is not None:
             self._final(job.id, "rolled_back", swap_error, kind="swap_failed", slot=slot, model=model, health=hrep)
             return
+        if self.served is not None:
+            self._boot_base = self.served()  # it serves from here; its frames confirm it
         self._final(job.id, "committed", f"health gate passed ({report.summary()})", slot=slot, model=model,
                     sha256=job.offer["sha256"], health=hrep, p95_ms=hrep.get("p95_ms"))
 

@@ -20,7 +20,9 @@ Layout under ``slot_dir``::
      "trial": null | {"slot": "b", "job_id": ..., "started_at": ..., "previous": "a" | null},
      "jobs": {job_id: {"outcome": "trial" | "committed" | "rolled_back" | "failed",
                        "slot": ..., "reason": ..., "sha256": ..., "at": ...}},   # last 32 jobs
-     "history": [{"at", "slot", "from", "to", "reason", "job_id"}, ...]}         # last 20
+     "history": [{"at", "slot", "from", "to", "reason", "job_id"}, ...],        # last 20
+     "boot": null | {"slot", "job_id", "attempts"},   # a commit that has not served yet (starts counted)
+     "checksum": "<sha256 of the rest>"}
 
 Slot states and the only allowed transitions (TRANSITIONS; anything else raises
 TransitionError)::
@@ -763,6 +765,7 @@ class SlotStore:
             self._set(st, s, "good", "commit", reason, trial.get("job_id"))
             st["primary"] = s
             st["trial"] = None
+            st["boot"] = {"slot": s, "job_id": trial.get("job_id"), "attempts": 0}  # until it serves
             if trial.get("job_id") is not None:
                 self._record_job(st, trial["job_id"], "committed", s, reason, st["slots"][s]["sha256"])
             self._write(st, "commit")
@@ -794,12 +797,57 @@ class SlotStore:
                                                          if cur else ""))
             self._set(st, cur, "bad", "rollback", reason, st["slots"][cur].get("job_id"))
             st["primary"] = other
+            st["boot"] = None
             job = st["slots"][cur].get("job_id")
             if job is not None and job in st["jobs"]:
                 self._record_job(st, job, "rolled_back", cur, reason, st["slots"][cur]["sha256"])
             self._write(st, "rollback")
             log.warning("slot %s rolled back to slot %s: %s", cur, other, reason)
             return copy.deepcopy(st)
+
+    # ----------------------------------------------------------------------- boot attempts
+    def begin_boot(self, max_attempts: int) -> dict[str, Any] | None:
+        """Count one start of a committed model that has not served yet (RAUC's boot attempts,
+        persisted before the model is opened, so a native crash cannot skip it). Past
+        ``max_attempts`` starts the commit is rolled back (the other good slot serves) and
+        {"job_id", "slot", "attempts", "reason", "to"} returned; else None."""
+        with self._locked():
+            st = self._read()
+            b = st.get("boot")
+            if not b or b.get("slot") != st["primary"]:
+                return None
+            b["attempts"] = int(b.get("attempts") or 0) + 1
+            cur, other = st["primary"], "b" if st["primary"] == "a" else "a"
+            if b["attempts"] <= max_attempts:
+                self._write(st, "boot")
+                return None
+            reason = (f"crash loop: the committed model of slot {cur} did not serve at {max_attempts} starts in "
+                      f"a row (the agent died each time)")
+            if st["slots"][other]["state"] != "good":
+                st["boot"] = None
+                self._write(st, "boot")
+                log.error("%s; nothing to roll back to (slot %s is %s)", reason, other, st["slots"][other]["state"])
+                return None
+            job = b.get("job_id")
+            self._set(st, cur, "bad", "rollback", reason, job)
+            st["primary"], st["boot"] = other, None
+            if job is not None and job in st["jobs"]:
+                self._record_job(st, job, "rolled_back", cur, reason, st["slots"][cur]["sha256"], kind="crash_loop")
+            self._write(st, "boot_rollback")
+            log.error("%s: rolled back to slot %s", reason, other)
+            return {"job_id": job, "slot": cur, "attempts": b["attempts"] - 1, "reason": reason, "to": other}
+
+    def boot_pending(self) -> bool:
+        b = self.load().get("boot")
+        return bool(b) and b.get("slot") == self.load()["primary"]
+
+    def confirm_boot(self) -> None:
+        """The committed model served: its starts no longer count."""
+        with self._locked():
+            st = self._read()
+            if st.get("boot"):
+                st["boot"] = None
+                self._write(st, "boot_ok")
 
     # ------------------------------------------------------------------------- recovery
     def recover_on_start(self, verify: bool = True) -> list[str]:

@@ -21,6 +21,7 @@ directories, the host side (fleet/rollout.py and `tandoor fleet`) sending real s
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -33,6 +34,7 @@ from support.bundle_edit import sha
 from support.cli import BIN
 from support.mosquitto import Broker, Recorder, available
 from tandoor_agent.update import slots
+from tandoor_contract import hmod
 from support.agents import START_TIMEOUT, AgentProcess, agent_config, make_bundles, running_sha, seed_slots, status_of, write_config  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not available(), reason="mosquitto is not installed (apt install mosquitto)")
@@ -517,3 +519,136 @@ def test_an_older_bundle_is_refused_unless_the_job_allows_a_downgrade(wd, broker
             running_sha(rec, dev, sha(B["v1"]))
         finally:
             a.stop()
+
+
+# --- crash loops: a committed model that kills the agent natively ------------------------------------
+
+def crashing_bundle(B: dict, out: Path) -> Path:
+    """``B["v2"]`` whose host library traps (``ud2``: SIGILL) at the entry of every TVM kernel, so
+    the first inference kills the process natively; re-signed with the test key (k1)."""
+    import re as _re
+
+    from support.bundle_edit import members_of
+
+    man, members = members_of(B["v2"])
+    lib_name = man["targets"]["host"]["lib"]
+    so = out.with_suffix(".so")
+    so.write_bytes(members[lib_name])
+    loads = [tuple(int(x, 16) for x in m.groups()) for m in _re.finditer(
+        r"LOAD\s+(0x[0-9a-f]+)\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+\s+(0x[0-9a-f]+)",
+        subprocess.run(["readelf", "-lW", str(so)], capture_output=True, text=True, check=True).stdout)]
+    syms = [(int(a, 16), n) for a, t, n in (ln.split() for ln in subprocess.run(
+        ["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout.splitlines()
+        if ln.count(" ") == 2) if t == "T" and n.startswith("__tvm_ffi_") and n != "__tvm_ffi__library_bin"]
+    assert syms, "no TVM kernels in the host library"
+    lib = bytearray(members[lib_name])
+    for addr, _ in syms:
+        off, vaddr, size = next((o, v, s) for o, v, s in loads if v <= addr < v + s)
+        lib[addr - vaddr + off:addr - vaddr + off + 2] = b"\x0f\x0b"  # ud2
+    members[lib_name] = bytes(lib)
+    man.pop("files")
+    man["model"]["version"] = "crash"
+    hmod.write_bundle(out, man, members, private_key=B["pub"].parent / "k1.pem")
+    return out
+
+
+def test_a_committed_model_that_crashes_natively_is_rolled_back_after_n_starts(wd, broker, B):
+    """A bundle, signed with the test key, whose library dies with SIGILL on its first inference,
+    committed in slot b over v1 (as if its gate had passed: live input the golden pairs do not
+    have). Restarted after every death as systemd would: each start is counted in state.json
+    before the model is opened (RAUC's boot attempts), and the start after the third death rolls
+    the commit back, serves v1, reports the job `rolled_back` (kind crash_loop) and says so in its
+    birth message."""
+    from tandoor_agent.update.jobs import BOOT_ATTEMPTS
+    from tandoor_agent.update.slots import SlotStore
+
+    dev = "crashy"
+    bad = crashing_bundle(B, wd / "crash.hmod")
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    store = SlotStore(sd)
+    store.install(bad, "job-crash", [B["pub"]])
+    store.commit("committed by the test: its gate could not see the fault")
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    deaths = []
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        for start in range(BOOT_ATTEMPTS + 1):
+            a = AgentProcess(["--config", str(cfg)], wd / f"{dev}-{start}.log")
+            if start < BOOT_ATTEMPTS:
+                try:
+                    rc = a.proc.wait(START_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    a.kill()
+                    pytest.fail(f"start {start}: the crashing model did not crash: {a.output()[-2000:]}")
+                a.stop()
+                deaths.append(rc)
+                st = json.loads((sd / "state.json").read_text())
+                assert st["primary"] == "b" and st["boot"]["attempts"] == start + 1, st.get("boot")
+                continue
+            try:
+                birth = status_of(rec, dev, START_TIMEOUT, lambda s: s.get("online") and s.get("state") == "running"
+                                  and "update" in s, "the birth message after the rollback")
+                assert birth["update"]["kind"] == "crash_loop" and birth["update"]["rolled_back"] == "job-crash", birth
+                assert birth["model"]["sha256"] == sha(B["v1"]) and birth["slot"] == "a", birth
+                ack = rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json().get("job_id") == "job-crash",
+                                   60, "the crash-loop ack").json()
+                assert ack["state"] == "rolled_back" and ack["kind"] == "crash_loop", ack
+                assert f"{BOOT_ATTEMPTS} starts in a row" in ack["reason"], ack
+                serving_frames(rec, dev)
+                assert_committed_state(sd, sha(B["v1"]))
+            finally:
+                a.stop()
+    assert deaths == [-signal.SIGILL] * BOOT_ATTEMPTS, deaths
+
+
+# --- key rotation -----------------------------------------------------------------------------------
+
+def test_key_rotation_add_then_retire_and_a_retired_keys_bundle_is_refused(wd, broker, B):
+    """A device trusting k1 only: `tandoor fleet keys add k2.pub --sign-with k1.pem` makes it trust
+    both (a k2-signed bundle commits and serves); `keys retire <k1> --sign-with k2.pem` leaves k2
+    alone: a k1-signed bundle is refused (kind retired_key), a replayed add-key and a command
+    signed by the retired key are refused; after a restart the keyring still holds (the committed
+    k2 bundle opens, k1 stays retired)."""
+    dev = "keys"
+    d = B["pub"].parent
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    fp = {k: hmod.key_fingerprint(hmod.load_public_key(d / f"{k}.pub.pem")) for k in ("k1", "k2")}
+
+    def keys_cli(*args):
+        r = subprocess.run([str(BIN / "tandoor"), "fleet", "keys", *args, "--devices", dev, "--broker", url, "--json"],
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, json.loads(r.stdout)[dev] if r.stdout.strip().startswith("{") else r.stderr
+
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec)
+        try:
+            out = deploy(broker.port, B["k2"], [dev], job_id="job-k2-early")["devices"][dev]
+            assert out["state"] == "failed" and out["kind"] == "bad_signature", out  # not trusted yet
+            rc, r = keys_cli("add", str(d / "k2.pub.pem"), "--sign-with", str(d / "k1.pem"))
+            assert rc == 0 and r["ok"] and sorted(r["trusted"]) == sorted(fp.values()), r
+            out = deploy(broker.port, B["k2"], [dev], job_id="job-k2")["devices"][dev]
+            assert out["state"] == "committed", out
+            running_sha(rec, dev, sha(B["k2"]))
+            rc, r = keys_cli("retire", fp["k1"], "--sign-with", str(d / "k2.pem"))
+            assert rc == 0 and r["ok"] and r["trusted"] == [fp["k2"]], r
+            out = deploy(broker.port, B["v4"], [dev], job_id="job-k1-after", allow_downgrade=True)["devices"][dev]
+            assert out["state"] == "failed" and out["kind"] == "retired_key" and fp["k1"] in out["reason"], out
+            rc, r = keys_cli("add", str(d / "k1.pub.pem"), "--sign-with", str(d / "k1.pem"))  # signed by the retired key
+            assert rc == 1 and r["kind"] == "bad_signature", r
+            rc, r = keys_cli("retire", fp["k2"], "--sign-with", str(d / "k2.pem"))
+            assert rc == 1 and r["kind"] == "last_key", r  # never left with no key
+        finally:
+            a.stop()
+        retire = next(m for m in rec.on(f"tandoor/{dev}/update/keys") if m.json()["op"] == "retire-key")
+        b = start_agent(wd, dev, cfg, rec, tag="-2")
+        try:
+            running_sha(rec, dev, sha(B["k2"]))  # the k2 bundle opens at start: the keyring persisted
+            out = deploy(broker.port, B["v5"], [dev], job_id="job-k1-restart", allow_downgrade=True)["devices"][dev]
+            assert out["state"] == "failed" and out["kind"] == "retired_key", out
+            rec.publish(f"tandoor/{dev}/update/keys", retire.payload)  # the applied command, replayed byte for byte
+            ack = rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json().get("key_op") == retire.json()["id"]
+                               and m.t > retire.t, 30, "the replay's answer").json()
+            assert ack["ok"] is False and ack["kind"] == "replayed", ack
+        finally:
+            b.stop()
