@@ -652,3 +652,147 @@ def test_key_rotation_add_then_retire_and_a_retired_keys_bundle_is_refused(wd, b
             assert ack["ok"] is False and ack["kind"] == "replayed", ack
         finally:
             b.stop()
+
+
+# --- flaky links: a fault-injecting TCP proxy between the agent and the broker ------------------------
+
+class FlakyProxy:
+    """127.0.0.1:port -> the broker, one thread per direction per connection. ``cut()`` resets
+    every connection (RST), ``pause(s)`` holds all bytes for s seconds (longer than the
+    keepalive: the session dies), ``trickle(s)`` forwards one byte at a time for s seconds.
+    ``down`` counts the bytes that went broker -> agent."""
+
+    def __init__(self, upstream: int) -> None:
+        import socket
+
+        self.upstream = upstream
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self.conns: list = []
+        self.down = 0
+        self.paused_until = 0.0
+        self.trickle_until = 0.0
+        self.cuts = 0
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stop:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            except OSError:
+                c.close()
+                continue
+            self.conns.append((c, u))
+            threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
+
+    def _pump(self, src, dst, downstream: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                while time.monotonic() < self.paused_until:
+                    time.sleep(0.05)
+                if time.monotonic() < self.trickle_until:
+                    for i in range(len(data)):
+                        dst.sendall(data[i:i + 1])
+                        time.sleep(0.001)
+                else:
+                    dst.sendall(data)
+                if downstream:
+                    self.down += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        import socket
+        import struct
+
+        self.cuts += 1
+        for c, u in self.conns:
+            for s in (c, u):
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    s.close()
+                except OSError:
+                    pass
+        self.conns.clear()
+
+    def pause(self, seconds: float) -> None:
+        self.paused_until = time.monotonic() + seconds
+
+    def trickle(self, seconds: float) -> None:
+        self.trickle_until = time.monotonic() + seconds
+
+    def close(self) -> None:
+        self._stop = True
+        self.lsock.close()
+        self.cut()
+
+
+def test_a_transfer_through_a_flaky_link_resumes_and_commits_once(wd, broker, B):
+    """The agent reaches the broker through FlakyProxy while an 8 MiB bundle comes in 16 KiB
+    chunks: the connection is cut (RST) a third of the way, then all bytes are held for 25 s
+    (longer than the 10 s keepalive) two thirds of the way, then trickled a byte at a time. The
+    transfer resumes each time asking only for what is missing, the job commits once (one
+    `committed` ack, one commit in the slot history), and the agent serves the new model."""
+    dev = "flaky"
+    big = padded(B, "v3-8m", 8, "3")
+    size = big.stat().st_size
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    proxy = FlakyProxy(broker.port)
+    cfg = agent_config(wd, dev, proxy.port, sd, B["pub"])
+    faults: list[str] = []
+
+    def inject():
+        deadline = time.monotonic() + 240
+        base = proxy.down
+        for at, what in ((1 / 3, "cut"), (2 / 3, "pause"), (0.8, "trickle")):
+            while proxy.down - base < at * size and time.monotonic() < deadline:
+                time.sleep(0.01)
+            faults.append(f"{what} at {proxy.down - base} of {size} bytes")
+            {"cut": proxy.cut, "pause": lambda: proxy.pause(25), "trickle": lambda: proxy.trickle(3)}[what]()
+            if what == "pause":
+                time.sleep(25)
+
+    try:
+        with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+            a = start_agent(wd, dev, cfg, rec)
+            try:
+                th = threading.Thread(target=inject, daemon=True)
+                th.start()
+                out = deploy(broker.port, big, [dev], job_id="job-flaky", timeout=300)
+                th.join(60)
+                assert out["devices"][dev]["state"] == "committed", (out, faults)
+                assert len(faults) == 3 and proxy.cuts >= 1, faults
+                needs = [m.json() for m in rec.on(f"tandoor/{dev}/update/need") if m.json()["job_id"] == "job-flaky"]
+                resumed = [n for n in needs if n.get("reconnected")]
+                assert len(resumed) >= 2, needs  # after the cut and after the session died in the pause
+                assert all(0 < n["n_missing"] < n["n_chunks"] for n in resumed), resumed  # only what was missing
+                states = [x["state"] for x in acks(rec, dev, "job-flaky")]
+                assert states.count("committed") == 1 and states.count("trial") == 1, states
+                hist = json.loads((sd / "state.json").read_text())["history"]
+                assert [h["op"] for h in hist if h.get("job_id") == "job-flaky"].count("commit") == 1, hist
+                running_sha(rec, dev, sha(big))
+                serving_frames(rec, dev)
+            finally:
+                a.stop()
+    finally:
+        proxy.close()
