@@ -157,6 +157,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("extra_member", "failed", True, "a member the manifest does not list"),
     Kind("format_version", "failed", True, "a format version this agent does not read"),
     Kind("wrong_arch", "failed", True, "no library for this machine"),
+    Kind("key_file", "failed", True, "a trusted key file could not be read (the device's configuration)"),
     Kind("bundle_error", "failed", True, "another bundle refusal (reason says which)"),
     Kind("internal", "failed", True, "a bug: the reason carries the error"),
     # after the trial started

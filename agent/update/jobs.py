@@ -261,7 +261,9 @@ class Updater:
         self.subscribe = subscribe
         self.unsubscribe = unsubscribe
         self.dir = Path(store.dir) / "updates" if store is not None else None
-        self.keys = Keyring(trusted_keys if trusted_keys is not None else [],
+        if not isinstance(trusted_keys, list):  # the keyring updates the caller's list in place
+            trusted_keys = list(trusted_keys or ())
+        self.keys = Keyring(trusted_keys,
                             Path(store.dir) / "keys" if store is not None else None)
         self.trusted_keys = self.keys.trusted   # the live list (paths and keys)
         self.delegate = delegate

@@ -796,3 +796,43 @@ def test_a_transfer_through_a_flaky_link_resumes_and_commits_once(wd, broker, B)
                 a.stop()
     finally:
         proxy.close()
+
+
+def test_a_job_without_progress_is_dropped_after_the_offered_stall_timeout(devs, broker, B):
+    """No chunk ever arrives (every send dropped), and the offer says stall_timeout_s 4: the
+    device drops the job by itself and says so (failed, kind stalled, with how far it got), well
+    before the job's deadline; the old model keeps serving."""
+    rec = devs["rec"]
+    t0 = time.monotonic()
+    out = deploy(broker.port, B["v5"], ["u2"], job_id="job-stall", timeout=240, stall_timeout_s=4,
+                 chunk_hook=lambda *a: None)["devices"]["u2"]
+    assert out["state"] == "failed" and out["kind"] == "stalled", out
+    assert "no progress for 4 s" in out["reason"] and out["count"] == 0, out
+    assert time.monotonic() - t0 < 60
+    running_sha(rec, "u2", sha(B["v3"]))
+
+
+def test_every_state_and_kind_the_device_sends_is_in_the_contract_tables():
+    """A job state exists in tandoor_contract.protocol.JOB_STATES or nowhere, and every final
+    ack's kind in protocol.KINDS (which says whether it is recorded): checked against the code
+    that sends them, and at run time by the one ack function."""
+    import re
+
+    from tandoor_agent.update import jobs
+    from tandoor_contract import protocol
+
+    root = Path(jobs.__file__).parent
+    code = (root / "jobs.py").read_text()
+    states = set(re.findall(r'_(?:ack|final)\([^,]+, "([a-z_]+)"', code))
+    assert states and states <= set(protocol.JOB_STATES), states - set(protocol.JOB_STATES)
+    kinds = set(re.findall(r'kind="([a-z_]+)"', code))
+    slots_code = (root / "slots.py").read_text()
+    kinds |= set(re.findall(r'InstallRefused\([^)]*kind="([a-z_]+)"', slots_code, re.S))
+    kinds |= set(slots._BUNDLE_KINDS.values())
+    kinds |= {"malformed", "stale", "not_supported", "stalled", "io_error"}  # built from variables in jobs.py
+    assert kinds <= set(protocol.KINDS), kinds - set(protocol.KINDS)
+    for k in protocol.KINDS.values():
+        assert protocol.is_final(k.state), k
+    up = jobs.Updater(None, "tandoor/d", lambda *a: None)
+    with pytest.raises(ValueError, match="not a job state"):
+        up._ack("j", "half-done")
