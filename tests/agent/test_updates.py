@@ -823,7 +823,7 @@ def test_every_state_and_kind_the_device_sends_is_in_the_contract_tables():
 
     root = Path(jobs.__file__).parent
     code = (root / "jobs.py").read_text()
-    states = set(re.findall(r'_(?:ack|final)\([^,]+, "([a-z_]+)"', code))
+    states = set(re.findall(r'self\._(?:ack|final)\((?:[\w.]+|_job_id_of\(payload\)), "([a-z_]+)"', code))
     assert states and states <= set(protocol.JOB_STATES), states - set(protocol.JOB_STATES)
     kinds = set(re.findall(r'kind="([a-z_]+)"', code))
     slots_code = (root / "slots.py").read_text()
