@@ -113,7 +113,7 @@ class Rollout:
         self._quiet = False
         self.t0 = time.monotonic()
         self._t_start_wall = time.time()
-        self.plan_: Plan | None = None
+        self.planned: Plan | None = None
         self.server: ArtifactServer | None = None
 
     # ---------------------------------------------------------------------------------- plan
@@ -147,15 +147,15 @@ class Rollout:
         rest = devices[n_canary:]
         step = self.wave_size if self.wave_size > 0 else max(1, len(rest))
         waves += [Wave(f"wave {k + 1}", rest[i:i + step]) for k, i in enumerate(range(0, len(rest), step))]
-        self.plan_ = Plan(job_id, sha, len(data), model, chunks, offer, waves)
+        self.planned = Plan(job_id, sha, len(data), model, chunks, offer, waves)
         self.res = {d: {"state": "pending", "reason": None} for d in devices}
-        return self.plan_
+        return self.planned
 
     # ----------------------------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         """Plan, then each wave in turn with the checks between; returns {"job_id", "sha256",
         "devices": {id: {state, reason, ...}}, "aborted", "counts", "waves", "seconds", ...}."""
-        plan = self.plan_ or self.plan()
+        plan = self.planned or self.plan()
         self.t0 = time.monotonic()
         self._t_start_wall = time.time()
         if self.transport == "url":
@@ -207,7 +207,7 @@ class Rollout:
 
     # ----------------------------------------------------------------------------- one wave
     def run_wave(self, wave: Wave) -> None:
-        plan = self.plan_
+        plan = self.planned
         devs = wave.devices
         self._quiet = len(devs) > QUIET_ABOVE
         self.progress(f"{wave.name}: {len(devs)} device(s): {', '.join(devs[:8])}{' ...' if len(devs) > 8 else ''}")
@@ -232,7 +232,7 @@ class Rollout:
     def _broadcast_when_answered(self, wave: Wave) -> None:
         """The wave's chunks once on the fleet-wide topic, after every device answered the offer
         (subscribed to the job's chunks), or after ``offer_retry_s`` for the ones that did not."""
-        plan = self.plan_
+        plan = self.planned
         deadline = time.monotonic() + self.offer_retry_s
         while time.monotonic() < deadline and not all(
                 self._live[d].answered for d in wave.devices if d in self._live):
@@ -289,19 +289,19 @@ class Rollout:
         from paho.mqtt.properties import Properties
 
         props = Properties(PacketTypes.PUBLISH)
-        props.MessageExpiryInterval = max(1, int(self.plan_.offer["deadline"] - time.time()))
+        props.MessageExpiryInterval = max(1, int(self.planned.offer["deadline"] - time.time()))
         self.fleet.publish(dev, protocol.topic(self.fleet.prefix, dev, protocol.UPDATE_JOB), offer_bytes,
                            properties=props)
 
     def _hooked(self, dev: str, i: int, attempt: int) -> bytes | None:
-        data = self.plan_.chunks[i]
+        data = self.planned.chunks[i]
         return data if self.chunk_hook is None else self.chunk_hook(dev, i, attempt, data)
 
     def _send_group_chunk(self, i: int) -> None:
         k = self._attempts[(GROUP, i)] = self._attempts.get((GROUP, i), 0) + 1
         data = self._hooked(GROUP, i, k)
         if data is not None:
-            self.fleet.publish(GROUP, protocol.group_chunk_topic(self.fleet.prefix, self.plan_.job_id, i), data)
+            self.fleet.publish(GROUP, protocol.group_chunk_topic(self.fleet.prefix, self.planned.job_id, i), data)
         with self._lock:
             self._sent_at.setdefault(i, time.monotonic())
             self._sent_pos.setdefault(i, len(self._sent_pos))
@@ -316,7 +316,7 @@ class Rollout:
             k = self._attempts[(dev, i)] = self._attempts.get((dev, i), 0) + 1
         data = self._hooked(dev, i, k + self._attempts.get((GROUP, i), 0))
         if data is not None:
-            self.fleet.publish(dev, protocol.chunk_topic(self.fleet.prefix, dev, self.plan_.job_id, i), data)
+            self.fleet.publish(dev, protocol.chunk_topic(self.fleet.prefix, dev, self.planned.job_id, i), data)
 
     def _queue_resends(self, dev: str, need: dict) -> None:
         """Chunks a device misses, re-sent on its own topic: those it reported bad or lost in a
@@ -324,7 +324,7 @@ class Rollout:
         chunk it already has (one session delivers in order, so an earlier one was lost), and
         those sent fleet-wide more than RESEND_GRACE_S ago. Any other chunk is on its way to the
         device (QoS 1 on a live session): sending it again would double the bytes."""
-        n, now = len(self.plan_.chunks), time.monotonic()
+        n, now = len(self.planned.chunks), time.monotonic()
         idx = [i for i in need.get("missing") or [] if isinstance(i, int) and 0 <= i < n]
         now_due = bool(need.get("bad") or need.get("reconnected"))
         with self._lock:
@@ -352,7 +352,7 @@ class Rollout:
     def _on_message(self, dev: str, kind: str, body: dict, retained: bool) -> None:
         """From the fleet's MQTT thread: the job's needs and acks."""
         st = self._live.get(dev)
-        if st is None or body.get("job_id") != self.plan_.job_id:
+        if st is None or body.get("job_id") != self.planned.job_id:
             return
         if retained and float(body.get("ts") or 0) < self._t_start_wall:
             return
@@ -422,7 +422,7 @@ class Rollout:
         without such telemetry is judged by the p95 its health gate measured (the committed ack),
         if any. Per canary ``res`` gets ``p95_ms_seen``, ``p95_source`` ("telemetry" | "health
         gate") and, from telemetry, ``telemetry_frames``."""
-        res, final_at, plan = self.res, self._final_at, self.plan_
+        res, final_at, plan = self.res, self._final_at, self.planned
         committed = [d for d in wave if res[d]["state"] == "committed"]
         if not committed:
             return None

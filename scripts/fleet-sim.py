@@ -11,9 +11,13 @@ does no inference (it sleeps ``--gate-s`` and reports a fixed p95), and the "hot
 the retained status with the new model. The agents run in ``--processes`` worker processes.
 
 The host side is the real fleet/rollout.py (what `tandoor fleet deploy` runs): canaries, then
-the rest in waves. Recorded: time to full rollout, messages and bytes per device (both ways), the
-broker's $SYS counters (messages and bytes received/sent) over the rollout, and the mosquitto
-process' CPU (psutil). ``--docs`` appends the numbers to docs/benchmarks.md ("Fleet rollout").
+the rest in waves, over ``--transport mqtt`` (chunks once per wave on the fleet-wide topic) or
+``url`` (the host serves the bundle over HTTP on 127.0.0.1, the agents fetch it with Range
+requests). Recorded: time to full rollout, what each agent was delivered (bytes, over the
+bundle's size), messages and bytes the host sent per device, the host's CPU, the broker's $SYS
+counters over the rollout, and the mosquitto process' CPU (psutil). ``--pad-kb`` makes the
+bundle bigger (a listed member of random bytes). ``--docs`` appends the numbers to
+docs/benchmarks.md ("Fleet rollout").
 """
 
 from __future__ import annotations
@@ -448,9 +452,12 @@ counted on that device's topics; broker numbers are $SYS deltas over the rollout
 host's monitoring subscription: every ack/need is delivered once more to it), CPU is the mosquitto
 process via psutil (0.5 s samples).
 
-The broker forwards each chunk once per device (each device has its own topics, which the per-device
-ACLs need), so its traffic is ~ devices x bundle size in and out; time to full rollout is the canary
+The host sends each chunk once per wave on the fleet-wide topic and the broker fans it out, so the
+broker's egress is ~ devices x bundle size and its ingress ~ waves x bundle size (`--transport url`:
+the bytes go over HTTP from the host's artifact server instead); time to full rollout is the canary
 wave (transfer + install + gate) plus the remaining waves; the gate runs in parallel on every device.
+Each worker process drives its agents' MQTT clients from one network thread. See docs/fleet.md
+("Scale") for 1000 devices.
 """
 
 
@@ -469,7 +476,10 @@ def to_markdown(r: dict, cmd: str, with_header: bool) -> str:
 | outcome | {', '.join(f"{v} {k}" for k, v in sorted(r['counts'].items()))}{' (aborted: ' + r['aborted'] + ')' if r['aborted'] else ''} |
 | bundle | {r['bundle_bytes']} bytes, {r['n_chunks']} chunks of {r['chunk_size']} bytes |
 | time to full rollout | {r['rollout_s']:.1f} s (canaries done at {r['canary_done_s']} s; first commit {r['first_commit_s']} s, last {r['last_commit_s']} s); agents started in {r['boot_s']} s |
-| per device, host -> device | {p['messages_to']} messages, {p['bytes_to'] / 1e3:.1f} kB (offer + chunks + re-sends) |
+| transport | {r['transport']} |
+| each device received | {r['device_received']['x_bundle_mean']}x the bundle on average, {r['device_received']['x_bundle_max']}x at most |
+| per device, host -> device | {p['messages_to']} messages, {p['bytes_to'] / 1e3:.1f} kB on its own topics (offer + re-sends) |
+| host CPU | {r['host_cpu_s']} s |
 | per device, device -> host | {p['messages_from']} messages, {p['bytes_from'] / 1e3:.2f} kB (acks, needs) |
 | broker messages received / sent | {b['messages_received']:.0f} / {b['messages_sent']:.0f} over {b['seconds']} s |
 | broker bytes received / sent | {mb(b['bytes_received'])} / {mb(b['bytes_sent'])} |
