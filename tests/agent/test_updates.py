@@ -836,3 +836,22 @@ def test_every_state_and_kind_the_device_sends_is_in_the_contract_tables():
     up = jobs.Updater(None, "tandoor/d", lambda *a: None)
     with pytest.raises(ValueError, match="not a job state"):
         up._ack("j", "half-done")
+
+
+def test_deploy_over_the_artifact_url_transport_with_the_cli(devs, broker, B):
+    """`tandoor fleet deploy --transport url --serve 127.0.0.1:0`: the host serves the bundle over
+    HTTP while the deploy runs, the real agent downloads it with Range requests (no chunk on MQTT),
+    verifies and commits it as over MQTT."""
+    rec = devs["rec"]
+    rec.clear()
+    r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v4"]), "--devices", "u1", "--broker",
+                        f"mqtt://127.0.0.1:{broker.port}", "--job-id", "job-url", "--transport", "url",
+                        "--serve", "127.0.0.1:0", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["devices"]["u1"]["state"] == "committed" and out["transport"] == "url", out
+    assert out["url"].startswith("http://127.0.0.1:") and out["artifact_server"]["bytes"] == out["size"], out
+    assert "serving the bundle at http://127.0.0.1:" in r.stderr
+    assert not [m for m in rec.messages if "/update/chunk/" in m.topic and "job-url" in m.topic]
+    running_sha(rec, "u1", sha(B["v4"]))
+    serving_frames(rec, "u1")
