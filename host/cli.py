@@ -376,13 +376,24 @@ def _fleet(broker, cafile, prefix):
         sys.exit(2)
 
 
+def _per_device(out: dict, as_json: bool, line, ok) -> None:
+    """Print {device: answer} (as JSON, or ``line(answer)`` per device) and exit 0 when every
+    answer is ``ok(answer)``, else 1."""
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+    else:
+        for d, a in out.items():
+            click.echo(f"{d:24s} {line(a)}")
+    sys.exit(0 if all(ok(a) for a in out.values()) else 1)
+
+
 def _device_list(devices: str | None) -> list[str] | None:
     return [d.strip() for d in devices.split(",") if d.strip()] if devices else None
 
 
 @main.group()
 def fleet():
-    """Fleet model updates over MQTT (docs/fleet.md): devices, deploy, status, rollback."""
+    """Fleet model updates over MQTT (docs/fleet.md): devices, deploy, status, cancel, rollback, keys."""
 
 
 @fleet.command("devices")
@@ -426,9 +437,21 @@ def fleet_devices(broker, cafile, prefix, as_json, wait):
               help="Seconds the canaries serve the new model before their telemetry p95 (inference, every "
                    "frame since the swap) is checked against --latency-budget-ms; give it a few telemetry "
                    "periods. Without telemetry: the p95 of the device health gate.")
+@click.option("--transport", type=click.Choice(["mqtt", "url"]), default="mqtt", show_default=True,
+              help="mqtt: chunks once per wave on the fleet-wide topic, re-sends on request; url: devices "
+                   "download the bundle themselves with HTTP Range requests (--artifact-url or --serve).")
+@click.option("--artifact-url", help="With --transport url: where the devices fetch the bundle (an object store URL).")
+@click.option("--serve", "serve", metavar="HOST:PORT",
+              help="With --transport url: serve the bundle from this host over HTTP while the deploy runs "
+                   "(HOST: the address the devices reach; port 0: any free one).")
+@click.option("--stall-timeout", default=120.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds without progress after which a device drops the job (so a dead deploy never wedges it).")
+@click.option("--allow-downgrade", is_flag=True,
+              help="Let devices install a bundle older than the one they run (refused by default).")
 @click.option("--json", "as_json", is_flag=True, help="Per device: final state and reason, as JSON.")
 def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_failures, latency_budget_ms, timeout,
-                 wave_size, chunk_size, health_frames, job_id, canary_soak, as_json):
+                 wave_size, chunk_size, health_frames, job_id, canary_soak, transport, artifact_url, serve,
+                 stall_timeout, allow_downgrade, as_json):
     """Staged rollout of BUNDLE: canaries, then waves; stops on failures or a p95 regression.
 
     Exit code 0 when every device committed, 1 otherwise, 2 on usage/connection errors."""
@@ -452,7 +475,8 @@ def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_fail
         res = f.deploy(bundle, _device_list(devices), canary_pct=pct, max_failures=max_failures,
                        latency_budget_ms=latency_budget_ms, timeout=timeout, job_id=job_id, chunk_size=chunk_size,
                        health_frames=health_frames, wave_size=wave_size, canary_soak_s=canary_soak,
-                       progress=progress)
+                       transport=transport, artifact_url=artifact_url, serve=serve, stall_timeout_s=stall_timeout,
+                       allow_downgrade=allow_downgrade, progress=progress)
     except FleetError as err:
         click.echo(f"tandoor: error: {err}", err=True)
         sys.exit(2)
@@ -489,6 +513,72 @@ def fleet_status(job, broker, cafile, prefix, as_json, wait):
         click.echo(f"no device reports job {job}", err=True)
 
 
+@fleet.command("cancel")
+@click.argument("job")
+@_broker_options
+@click.option("--devices", help="Comma-separated device ids (default: every device whose last ack names JOB, not final).")
+@click.option("--reason", default="cancelled by the operator", show_default=True, help="Said in the cancelled ack.")
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the answers.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def fleet_cancel(job, broker, cafile, prefix, devices, reason, timeout, as_json):
+    """Drop JOB on the devices now (e.g. after its deploy died): they answer `cancelled` and take
+    the next job at once. A device past its download finishes the job by itself (said so)."""
+    f = _fleet(broker, cafile, prefix)
+    try:
+        out = f.cancel(job, _device_list(devices), reason=reason, timeout=timeout)
+    finally:
+        f.close()
+    if not out:
+        click.echo(f"no device runs job {job} (give --devices to record the cancel anyway)", err=True)
+    _per_device(out, as_json, lambda a: f"{str(a.get('state')):12s} {a.get('note') or a.get('reason') or ''}",
+                lambda a: a.get("state") == "cancelled")
+
+
+@fleet.group("keys")
+def fleet_keys():
+    """Key rotation on the devices: signed add-key / retire-key commands (docs/updates.md)."""
+
+
+def _key_op(op, devices, sign_with, broker, cafile, prefix, timeout, as_json, **kw):
+    from tandoor_fleet.rollout import FleetError
+
+    f = _fleet(broker, cafile, prefix)
+    try:
+        out = f.key_command(_device_list(devices), op, Path(sign_with), timeout=timeout, **kw)
+    except FleetError as err:
+        click.echo(f"tandoor: error: {err}", err=True)
+        sys.exit(2)
+    finally:
+        f.close()
+    _per_device(out, as_json, lambda a: ("ok trusted: " + ", ".join(a.get("trusted") or [])) if a.get("ok")
+                else f"FAILED {a.get('reason')}", lambda a: a.get("ok"))
+
+
+def _key_options(f):
+    f = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
+    f = click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the answers.")(f)
+    f = click.option("--sign-with", required=True, type=click.Path(exists=True, dir_okay=False),
+                     help="Private key (PEM) the devices trust now.")(f)
+    f = click.option("--devices", required=True, help="Comma-separated device ids.")(f)
+    return _broker_options(f)
+
+
+@fleet_keys.command("add")
+@click.argument("public_key", type=click.Path(exists=True, dir_okay=False))
+@_key_options
+def fleet_keys_add(public_key, devices, sign_with, broker, cafile, prefix, timeout, as_json):
+    """Trust PUBLIC_KEY too (signed with a key the devices trust now)."""
+    _key_op("add-key", devices, sign_with, broker, cafile, prefix, timeout, as_json, public_key=Path(public_key))
+
+
+@fleet_keys.command("retire")
+@click.argument("fingerprint")
+@_key_options
+def fleet_keys_retire(fingerprint, devices, sign_with, broker, cafile, prefix, timeout, as_json):
+    """Stop trusting the key FINGERPRINT (from `tandoor keygen`); its bundles are refused from now on."""
+    _key_op("retire-key", devices, sign_with, broker, cafile, prefix, timeout, as_json, fingerprint=fingerprint)
+
+
 @fleet.command("rollback")
 @_broker_options
 @click.option("--devices", required=True, help="Comma-separated device ids.")
@@ -501,12 +591,8 @@ def fleet_rollback(broker, cafile, prefix, devices, timeout, as_json):
         out = f.command(_device_list(devices), "rollback", timeout=timeout)
     finally:
         f.close()
-    if as_json:
-        click.echo(json.dumps(out, indent=2))
-    else:
-        for d, r in out.items():
-            click.echo(f"{d:24s} {'ok' if r.get('ok') else 'FAILED'} {r.get('result') or r.get('error')}")
-    sys.exit(0 if all(r.get("ok") for r in out.values()) else 1)
+    _per_device(out, as_json, lambda r: f"{'ok' if r.get('ok') else 'FAILED'} {r.get('result') or r.get('error')}",
+                lambda r: r.get("ok"))
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ class Link:
             self._cond.notify_all()
 
     def _on_message(self, client, userdata, msg) -> None:
-        if self.updater is not None and msg.topic.startswith(self.base + "/update/"):
+        if self.updater is not None and self.updater.wants(msg.topic):
             try:
                 self.updater.on_message(msg.topic, msg.payload, getattr(msg, "properties", None))
             except Exception:
@@ -291,6 +291,18 @@ class Link:
         c = self._client
         if c is not None:
             c.publish(topic, payload, qos=qos, retain=retain)
+
+    def subscribe_raw(self, topic: str) -> None:
+        """For the updater: follow a job's fleet-wide chunk topic (re-subscribed at every connect
+        from ``updater.subscriptions``)."""
+        c = self._client
+        if c is not None:
+            c.subscribe(topic, qos=1)
+
+    def unsubscribe_raw(self, topic: str) -> None:
+        c = self._client
+        if c is not None:
+            c.unsubscribe(topic)
 
     def publish_status(self, status: dict) -> None:
         """A fresh birth message (state changed: running, model reloaded...). Only while connected;

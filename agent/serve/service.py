@@ -164,6 +164,8 @@ class Service:
             s["camera"] = self.source.name
         if self.error:
             s["error"] = self.error
+        if self.updater is not None and self.updater.notice:
+            s["update"] = self.updater.notice  # e.g. a crash loop rolled back at this start
         return s
 
     def request_stop(self, reason: str) -> None:
@@ -243,6 +245,7 @@ class Service:
         """The update job handler (agent/update/jobs.py); with slot_dir it first recovers the slots
         (a trial left uncommitted is rolled back and reported once connected)."""
         from ..update.jobs import Updater
+        from ..update.slots import StateCorrupt
 
         cfg = self.cfg
         store = None
@@ -251,10 +254,14 @@ class Service:
 
             store = SlotStore(cfg["slot_dir"], cfg["trusted_keys"])
         up = Updater(store, cfg.topic_base, self.link.publish_raw, trusted_keys=cfg["trusted_keys"],
-                     delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"])
+                     delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"],
+                     subscribe=self.link.subscribe_raw, unsubscribe=self.link.unsubscribe_raw,
+                     served=lambda: self.frames)
         try:
             for note in up.recover():
                 log.warning("update recovery: %s", note)
+        except StateCorrupt:
+            raise  # nothing safe to serve: one line saying how to repair
         except Exception as err:
             log.error("slot recovery failed: %s", " ".join(str(err).split()))
         return up
