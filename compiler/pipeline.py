@@ -59,6 +59,7 @@ class Options:
     profile: Path | None = None   # tandoor profile output: measured numbers over estimates
     check: bool = True            # run the written bundle's golden self-test before it replaces anything
     measure: str = "auto"         # auto | on | off: decide from times measured here (host targets only)
+    build: int | None = None      # a build number the build system counts up: devices refuse older ones
 
 
 def _tandoor_version() -> str:
@@ -377,6 +378,7 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
     result, kept = plan.result, plan.kept
     return {
         "model": {"name": plan.name, "version": opts.version, "source_sha256": loaded.sha256, "source": Path(model).name},
+        **({"build": int(opts.build)} if opts.build is not None else {}),
         "tvm_version": tvm.__version__,
         "tandoor_version": _tandoor_version(),
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),

@@ -143,6 +143,9 @@ def main() -> None:
                    "Refused when its key (model, shapes, library versions) does not match.")
 @click.option("--name", help="Model name in the manifest (default: from the ONNX graph or file name).")
 @click.option("--model-version", "version", default="1", show_default=True, help="Model version in the manifest.")
+@click.option("--build", type=click.IntRange(0), default=None,
+              help="Build number (your CI's counter) in the signed manifest: devices refuse a bundle whose build is "
+                   "older than the committed one unless the job allows a downgrade (docs/updates.md).")
 @click.option("--measure", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Decide what to delegate from times measured on this machine (tandoor-agent profile of every "
                    "candidate subgraph, a few runs each). auto: when every target is this host; a board target "
@@ -153,14 +156,14 @@ def main() -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
-            measure, no_check, quiet):
+            build, measure, no_check, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
     from tandoor_compiler.pipeline import Options, compile_model
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
-                   layout, bgr, policy, name, version, profile, check=not no_check, measure=measure)
+                   layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build)
     console = Console(stderr=True, quiet=quiet, log_path=False)
     with console.status("compiling") as status:
         def progress(msg: str) -> None:
