@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import hmod
+from tandoor_contract import hmod, media
 
 from . import cost, frontend, importer, targets as targets_mod
 from .errors import CompileError
@@ -43,6 +43,13 @@ class Options:
     name: str | None = None
     version: str = "1"
     profile: Path | None = None   # tandoor profile output: measured numbers over estimates
+    # how frames become the input and what decodes the outputs (tandoor_contract.media)
+    resize: str = "stretch"       # stretch | letterbox
+    letterbox_align: str = "center"
+    pad_value: int = 114
+    pixel_range: str | None = None  # "0-1" | "0-255"; None: from the mean/std units
+    decoder: str | None = None
+    decoder_options: dict = field(default_factory=dict)  # conf, iou, max_det and the decoder's own
 
 
 def _tandoor_version() -> str:
@@ -55,7 +62,8 @@ def _tandoor_version() -> str:
 
 
 def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None:
-    if opts.mean is None and opts.std is None and not opts.bgr:
+    if opts.mean is None and opts.std is None and not opts.bgr and opts.resize == "stretch" \
+            and opts.pixel_range is None:
         return None
     chans = inputs[0].shape[1 if opts.layout == "NCHW" else -1]
     mean = opts.mean or [0.0] * chans
@@ -65,10 +73,28 @@ def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None
             raise CompileError(f"{label} has {len(v)} values; the input has {chans} channels (give 1 or {chans})")
     if any(s == 0 for s in std):
         raise CompileError("--std has a zero; standard deviations must be non-zero")
-    # Values above 1 mean the user gave them in 0..255 pixel units.
-    scale = 1.0 if max(mean + std) > 1.0 else 255.0
-    return {"mean": [float(x) for x in mean], "std": [float(x) for x in std], "scale": scale,
-            "layout": opts.layout, "bgr": bool(opts.bgr)}
+    # Values above 1 mean the user gave them in 0..255 pixel units, unless --pixel-range says.
+    if opts.pixel_range is not None:
+        scale = {"0-1": 255.0, "0-255": 1.0}[opts.pixel_range]
+    else:
+        scale = 1.0 if max(mean + std) > 1.0 else 255.0
+    try:
+        return media.preprocess_entry(resize=opts.resize, align=opts.letterbox_align, pad_value=opts.pad_value,
+                                      mean=mean, std=std, scale=scale, bgr=opts.bgr, layout=opts.layout)
+    except media.MediaError as err:
+        raise CompileError(str(err)) from None
+
+
+def _postprocess(opts: Options) -> dict | None:
+    given = {k: v for k, v in opts.decoder_options.items() if v is not None}
+    if opts.decoder is None:
+        if given:
+            raise CompileError(f"decoder options ({', '.join(given)}) need --decoder NAME")
+        return None
+    try:
+        return media.postprocess_entry(decoder=opts.decoder, **given)
+    except media.MediaError as err:
+        raise CompileError(str(err)) from None
 
 
 def _golden(model: frontend.LoadedModel, n: int) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
@@ -117,6 +143,7 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
     model = frontend.load(model_path, opts.input_specs)
     name = opts.name or model.name
     preprocess = _preprocess(opts, model.inputs)
+    postprocess = _postprocess(opts)
     progress("importing into TVM Relax")
     mod = importer.to_relax(model)
     progress("optimising the graph (constants, BatchNorm, NHWC)")
@@ -227,6 +254,7 @@ def compile_model(model_path: str | Path, out_path: str | Path, opts: Options,
             "inputs": [{**i.as_dict(), "layout": opts.layout if len(i.shape) == 4 else None} for i in model.inputs],
             "outputs": [o.as_dict() for o in model.outputs],
             "preprocess": preprocess,
+            "postprocess": postprocess,
             "labels": "labels.txt" if opts.labels else None,
             "partitions": parts_manifest,
             "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],
