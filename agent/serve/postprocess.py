@@ -211,9 +211,12 @@ def detections(boxes: np.ndarray, scores: np.ndarray, class_ids: np.ndarray, ctx
                extra: dict[str, np.ndarray] | None = None) -> dict:
     """The detector summary from input-pixel boxes (mapped to the frame here). ``extra``:
     per-box arrays carried along; ``landmarks`` (N x K x 2 input pixels) are mapped too."""
-    fb = ctx.to_frame(np.asarray(boxes, np.float32).reshape(-1, 4)).astype(np.float64).round(1).tolist()
-    sc = np.asarray(scores, np.float64).reshape(-1).round(5).tolist()
-    ci = np.asarray(class_ids).reshape(-1).astype(int).tolist()
+    fb = ctx.to_frame(np.asarray(boxes, np.float32).reshape(-1, 4)).astype(np.float64).round(1)
+    seen = (fb[:, 2] > fb[:, 0]) & (fb[:, 3] > fb[:, 1])  # a box wholly outside the frame is no detection
+    extra = {k: np.asarray(v)[seen] for k, v in (extra or {}).items()}
+    fb = fb[seen].tolist()
+    sc = np.asarray(scores, np.float64).reshape(-1)[seen].round(5).tolist()
+    ci = np.asarray(class_ids).reshape(-1)[seen].astype(int).tolist()
     dets = [{"box": b, "score": s, "class_id": c, "label": ctx.label(c)} for b, s, c in zip(fb, sc, ci)]
     lm = (extra or {}).get("landmarks")
     if lm is not None and len(dets):
