@@ -1,10 +1,11 @@
-"""Snapshots: the latest frame with its result drawn on it, as a JPEG on ``<base>/snapshot``
-(retained), every ``snapshot.period_s`` and on the ``snapshot`` command, like Frigate's
-snapshot topics.
+"""Snapshots: a frame with its result drawn on it, as a JPEG on ``<base>/snapshot`` (retained),
+like Frigate's snapshot topics: every ``snapshot.period_s`` the best frame of the period (the one
+with the highest-scoring detection; the latest when nothing was detected), and on the
+``snapshot`` command the latest frame, what the camera sees now.
 
-The loop hands every processed frame to :meth:`Snapshots.offer` (two references kept, nothing
+The loop hands every processed frame to :meth:`Snapshots.offer` (references kept, nothing
 copied); only a frame that is published is drawn and encoded (a few ms for 640x480 on a
-desktop core), so frames in between cost nothing.
+desktop core), so frames in between cost a comparison.
 """
 
 from __future__ import annotations
@@ -43,21 +44,32 @@ class Snapshots:
         self.publish, self.period_s, self.quality, self.clock = publish, period_s, quality, clock
         self.connected = connected
         self._latest = None  # (frame, result)
+        self._best = None    # (score, frame, result): the best-scoring detection of this period
         self._next = 0.0
         self.sent = 0
 
     def offer(self, frame, result) -> None:
-        """A processed frame: kept as the latest; published when the period is up."""
+        """A processed frame: kept as the latest, and as the period's best when its top detection
+        beats the best so far; the period's snapshot is published when the period is up."""
         self._latest = (frame, result)
+        dets = result.outputs.get("detections")
+        if dets:
+            top = max(d["score"] for d in dets)
+            if self._best is None or top > self._best[0]:
+                self._best = (top, frame, result)
         if self.period_s > 0 and self.clock() >= self._next and self.connected():
-            if self.send() is not None:
+            best = self._best
+            if self.send(best[1:] if best else None) is not None:
                 self._next = self.clock() + self.period_s
+                self._best = None
 
-    def send(self) -> dict | None:
-        """Publish the latest frame now; what was sent (None: no frame yet, or not connected)."""
-        if self._latest is None or not self.connected():
+    def send(self, which: tuple | None = None) -> dict | None:
+        """Publish ``which`` ((frame, result); default the latest frame) now; what was sent (None:
+        no frame yet, or not connected)."""
+        which = which or self._latest
+        if which is None or not self.connected():
             return None
-        frame, result = self._latest
+        frame, result = which
         dets = len(result.outputs.get("detections") or [])
         data = encode(frame.image, result.outputs, self.quality)
         if not self.publish(data, result.seq, dets):

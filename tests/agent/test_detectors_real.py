@@ -306,3 +306,33 @@ def test_snapshot_on_request_and_counts_in_telemetry(service):
     assert objects["counts"].get("face", 0) >= 1 and objects["max"]["face"] >= 1
     assert objects["mean"]["face"] == pytest.approx(objects["counts"]["face"] / objects["frames"], abs=1e-3)
     assert tel["mqtt"]["snapshots_sent"] >= 1
+
+
+def test_the_periods_snapshot_is_its_best_frame_the_commands_the_latest():
+    """Every period: the frame whose top detection scored highest (drawn), else the latest; on
+    request: the latest. Nothing is drawn while the link is down."""
+    from tandoor_agent.serve.camera import Frame
+    from tandoor_agent.serve.pipeline import Result
+    from tandoor_agent.serve.snapshot import Snapshots
+
+    sent, now, up = [], [0.0], [True]
+    snaps = Snapshots(lambda data, seq, n: sent.append((seq, n, data)) or True, period_s=1.0,
+                      connected=lambda: up[0], clock=lambda: now[0])
+
+    def frame(seq, scores):
+        img = np.full((40, 60, 3), seq, np.uint8)
+        dets = [{"box": [5, 5, 30, 30], "score": s, "class_id": 0, "label": "face"} for s in scores]
+        return Frame(img, seq, 0.0, "test"), Result(seq, 0.0, {}, {"kind": "detector", "detections": dets})
+
+    snaps.offer(*frame(0, []))                       # the first frame goes out at once
+    for seq, scores, t in [(1, [0.6], 0.2), (2, [0.9, 0.3], 0.4), (3, [0.7], 0.6), (4, [], 1.1)]:
+        now[0] = t
+        snaps.offer(*frame(seq, scores))
+    assert [(s, n) for s, n, _ in sent] == [(0, 0), (2, 2)]   # at 1.1 s: frame 2 (0.9) of the period
+    img = cv2.imdecode(np.frombuffer(sent[1][2], np.uint8), cv2.IMREAD_COLOR)
+    assert img.shape == (40, 60, 3) and abs(int(img[35, 45, 0]) - 2) <= 3  # frame 2's pixels, not 4's
+    assert snaps.send()["seq"] == 4                  # on request: the latest
+    up[0] = False
+    now[0] = 5.0
+    snaps.offer(*frame(5, [0.8]))
+    assert len(sent) == 3 and snaps.send() is None
