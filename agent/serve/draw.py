@@ -50,8 +50,9 @@ def draw(rgb: np.ndarray, summary: dict) -> np.ndarray:
             x1, y1, x2, y2 = (int(round(v)) for v in d["box"])
             col = colour(d.get("class_id", 0))
             cv2.rectangle(img, (x1, y1), (x2, y2), col, thick + 1)
-            for px, py in d.get("landmarks") or []:
-                cv2.circle(img, (int(round(px)), int(round(py))), thick + 1, col, -1)
+            if min(x2 - x1, y2 - y1) >= 40:  # on a small face the dots would hide it
+                for px, py in d.get("landmarks") or []:
+                    cv2.circle(img, (int(round(px)), int(round(py))), thick + 1, col, -1)
             _label(img, f"{d.get('label', d.get('class_id'))} {d['score']:.2f}", x1, y1, col, scale, thick)
     elif summary.get("kind") == "classifier":
         y = 0
