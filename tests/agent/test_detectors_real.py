@@ -336,3 +336,24 @@ def test_the_periods_snapshot_is_its_best_frame_the_commands_the_latest():
     now[0] = 5.0
     snaps.offer(*frame(5, [0.8]))
     assert len(sent) == 3 and snaps.send() is None
+
+
+def test_compile_records_preprocess_and_decoder_and_refuses_bad_ones_in_one_line(tmp_path, bundles):
+    from support.cli import manifest_of
+    from tandoor_zoo import models as zoo
+
+    m = manifest_of(bundles["yolox_det"])
+    assert m["preprocess"] == {"resize": "letterbox", "align": "topleft", "pad_value": 114, "mean": [0.0] * 3,
+                               "std": [1.0] * 3, "scale": 1.0, "bgr": True, "layout": "NCHW"}
+    assert m["postprocess"] == {"decoder": "yolox", "conf": 0.1, "iou": 0.45, "agnostic": True}
+    assert manifest_of(bundles["picodet_layout"])["postprocess"] == {"decoder": "gfl"}  # the decoder's defaults
+    out = tmp_path / "x.hmod"
+    base = ["tandoor", "compile", str(zoo.dynamic_batch()), "-o", str(out), "--input", "input=1x3x32x32", "-q"]
+    for extra, why in [(["--decoder-option", "strides=[8"], "expected KEY=JSON"),
+                       (["--decoder", "yolov8", "--decoder-option", "size=\"log\""], "unknown option(s) size"),
+                       (["--conf", "0.5"], "need --decoder NAME"),
+                       (["--decoder", "centernet", "--decoder-option", "peaks=\"top\""], "choose nms or maxpool"),
+                       (["--decoder", "ssd", "--decoder-option", "variances=0.1"], "expected list")]:
+        res = run_cli(*base, *extra)
+        assert res.returncode == 2 and why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not out.exists()
