@@ -95,11 +95,16 @@ def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
 @click.option("--top", default=5, show_default=True, type=click.IntRange(1), help="Top-k to print for classifiers.")
 @click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write the last run's outputs as DIR/output_<j>.npy.")
+@click.option("--draw", "draw_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the --input image with the result drawn on it (boxes, labels, scores) to this .jpg/.png.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, as_json):
-    """One-shot inference: top outputs, which executor ran each subgraph, latency."""
+def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, draw_path, as_json):
+    """One-shot inference: the decoded result, which executor ran each subgraph, latency."""
     try:
+        _check_draw(draw_path, input_path)
         result = _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir)
+        if draw_path is not None:
+            _draw(result, input_path, draw_path)
     except Exception as err:
         _fail(err)
     if as_json:
@@ -119,6 +124,64 @@ def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, as_
                    + (f" [fallback: {s['fallback_reason']}]" if s.get("fallback_reason") else ""))
     lat = result["latency_ms"]
     click.echo(f"latency: median {lat['median']:.2f} ms, p95 {lat['p95']:.2f} ms over {lat['runs']} run(s)")
+    _echo_result(result["result"])
+    if draw_path is not None:
+        click.echo(f"drawn: {draw_path}")
+
+
+# --- the result side: what the service would publish for this input, and the drawing ----------------
+
+def _source_image(input_path: Path | None) -> np.ndarray | None:
+    """The RGB image the input tensor was made of (None for .npy and golden inputs)."""
+    from .serve import preprocess
+
+    if input_path is None or input_path.suffix == ".npy" or not input_path.is_file():
+        return None
+    return preprocess.load_image(input_path)
+
+
+def _result_of(m: dict, outs: list[np.ndarray], labels, input_path: Path | None, top: int) -> dict:
+    """The service's ``results`` summary for this frame (agent/serve/pipeline.decode): boxes in
+    the input image's pixels; ``frame`` is its width and height."""
+    from .serve import pipeline
+
+    image = _source_image(input_path)
+    frame_hw = image.shape[:2] if image is not None else None
+    summary = pipeline.decode(m, outs, frame_hw=frame_hw, labels=labels, top_k=top)
+    body = json.loads(json.dumps(summary))  # tuples as lists, as the service sends them
+    if frame_hw is not None:
+        body["frame"] = [int(frame_hw[1]), int(frame_hw[0])]
+    return body
+
+
+def _check_draw(draw_path: Path | None, input_path: Path | None) -> None:
+    if draw_path is None:
+        return
+    if input_path is None or input_path.suffix == ".npy":
+        raise UsageError_("--draw needs an image --input (PNG/JPEG) to draw on")
+    if draw_path.suffix.lower() not in (".jpg", ".jpeg", ".png"):
+        raise UsageError_(f"--draw {draw_path}: give a .jpg or .png file name")
+    if not draw_path.parent.is_dir():
+        raise UsageError_(f"--draw {draw_path}: directory {draw_path.parent} does not exist")
+
+
+def _draw(result: dict, input_path: Path, draw_path: Path) -> None:
+    from .serve import draw
+
+    try:
+        draw.write(draw_path, draw.draw(_source_image(input_path), result["result"]))
+    except OSError as err:
+        raise UsageError_(f"--draw {draw_path}: cannot write it ({err.strerror or err})") from None
+
+
+def _echo_result(r: dict) -> None:
+    if r.get("kind") != "detector":
+        return
+    dets = r["detections"]
+    frame = f" in the {r['frame'][0]}x{r['frame'][1]} image" if r.get("frame") else " (input pixels)"
+    click.echo(f"{len(dets)} detection(s){frame}:")
+    for d in dets:
+        click.echo(f"  {d['score']:6.3f}  {d['label']:<16} [{', '.join(f'{v:.1f}' for v in d['box'])}]")
 
 
 def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) -> dict:
@@ -159,6 +222,7 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
             entry["top5" if top == 5 else f"top{top}"] = [
                 [labels[i] if labels and i < len(labels) else str(int(i)), float(scores[i])] for i in idx]
         result["outputs"].append(entry)
+    result["result"] = _result_of(m, outs, labels, input_path, top)
     return result
 
 

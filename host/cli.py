@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from tandoor_compiler.errors import CompileError
-from tandoor_contract import hmod, orders
+from tandoor_contract import hmod, media, orders
 from tandoor_contract.errors import TandoorError
 
 DEBUG = os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
@@ -114,6 +114,19 @@ def _floats(text: str | None, opt: str) -> list[float] | None:
         raise CompileError(f"{opt} '{text}': expected comma-separated numbers such as 0.485,0.456,0.406") from None
 
 
+def _decoder_options(pairs: tuple[str, ...]) -> dict:
+    out = {}
+    for pair in pairs:
+        k, sep, v = pair.partition("=")
+        try:
+            if not sep or not k:
+                raise ValueError
+            out[k.strip()] = json.loads(v)
+        except ValueError:
+            raise CompileError(f"--decoder-option {pair!r}: expected KEY=JSON, e.g. strides=[8,16,32] or agnostic=true") from None
+    return out
+
+
 @click.group(cls=_Tool, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tandoor")
 @debug_option
@@ -153,17 +166,36 @@ def main() -> None:
 @click.option("--no-check", is_flag=True,
               help="Write the bundle without running its golden self-test first (the check refuses a bundle "
                    "whose outputs differ from onnxruntime's on the source model).")
+@click.option("--resize", type=click.Choice(media.RESIZE_MODES), default="stretch", show_default=True,
+              help="How a frame becomes the input: stretch to it, or letterbox (keep the aspect ratio, pad).")
+@click.option("--letterbox-align", type=click.Choice(media.ALIGNS), default="center", show_default=True,
+              help="Where the letterboxed image sits: center (YOLO) or topleft (padding bottom-right).")
+@click.option("--pad-value", type=click.IntRange(0, 255), default=114, show_default=True,
+              help="Letterbox padding grey level: 114 as YOLO trains, 0 for black.")
+@click.option("--pixel-range", type=click.Choice(["0-1", "0-255"]),
+              help="Pixels before --mean/--std: 0-1 (divided by 255) or raw 0-255. Default: from the units of --mean/--std.")
+@click.option("--decoder", type=click.Choice(tuple(d for d in media.DECODERS)),
+              help="What decodes the outputs on the device (agent/serve/postprocess.py); stored in the manifest.")
+@click.option("--conf", type=click.FloatRange(0, 1), help="Decoder score threshold (default: the decoder's).")
+@click.option("--iou", type=click.FloatRange(0, 1), help="Decoder NMS IoU threshold (default: the decoder's).")
+@click.option("--max-det", type=click.IntRange(1), help="Detections per frame at most (default: the decoder's).")
+@click.option("--decoder-option", "decoder_opts", multiple=True, metavar="KEY=JSON",
+              help="Another decoder option (repeatable), e.g. strides=[8,16,32] or agnostic=true.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
-            build, measure, no_check, quiet):
+            build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
+            decoder_opts, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
     from tandoor_compiler.pipeline import Options, compile_model
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
-                   layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build)
+                   layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build,
+                   resize=resize, letterbox_align=letterbox_align, pad_value=pad_value, pixel_range=pixel_range,
+                   decoder=decoder,
+                   decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det})
     console = Console(stderr=True, quiet=quiet, log_path=False)
     with console.status("compiling") as status:
         def progress(msg: str) -> None:
