@@ -16,7 +16,13 @@ Exit codes (one line on stderr for every failure, "tandoor-agent: error: <reason
 
 from __future__ import annotations
 
-import json
+# `tandoor-agent` is an agent process: TVM's runtime library only, no torch (agent/run/lean.py),
+# decided before anything below can import tvm.
+from .run import lean
+
+lean.runtime_only()
+
+import json  # noqa: E402
 import logging
 import sys
 import time

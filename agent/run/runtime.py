@@ -145,9 +145,11 @@ class HybridModule:
         from .board import configure_tvm_threads
 
         configure_tvm_threads()
+        # tvm.runtime only (the VM included): in the agent's process tvm is the runtime library
+        # alone (agent/run/lean.py), where tvm.relax does not even import.
         import tvm
         import tvm_ffi
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine
 
         self._tmp = None
         if workdir is None:
@@ -196,7 +198,7 @@ class HybridModule:
             lib_path.write_bytes(bundle.read(self.manifest["targets"][self.target]["lib"]))
             self.dev = tvm.cpu()
             try:
-                self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+                self.vm = VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
             except Exception as err:
                 raise RuntimeError_(f"cannot load the {self.target} lib: {_first_line(err)}") from None
         except BaseException:
