@@ -49,9 +49,9 @@ def mapped_libraries(pid: int | str = "self") -> set[str]:
     try:
         with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
             for line in f:
-                path = line.split(maxsplit=5)[5].strip() if line.count(" ") >= 5 else ""
-                if ".so" in path:
-                    out.add(os.path.basename(path))
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                if len(fields) == 6 and ".so" in fields[5]:
+                    out.add(os.path.basename(fields[5].strip()))
     except OSError:
         pass
     return out
