@@ -16,7 +16,13 @@ Exit codes (one line on stderr for every failure, "tandoor-agent: error: <reason
 
 from __future__ import annotations
 
-import json
+# `tandoor-agent` is an agent process: TVM's runtime library only, no torch (agent/run/lean.py),
+# decided before anything below can import tvm.
+from .run import lean
+
+lean.runtime_only()
+
+import json  # noqa: E402
 import logging
 import sys
 import time
@@ -62,29 +68,55 @@ def main(ctx: click.Context, verbose: bool, config_path: Path | None) -> None:
     service.main_callback(ctx, config_path)
 
 
-def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
+def _read_input(path: Path, spec: dict, preprocess_cfg: dict | None, what: str) -> np.ndarray:
     from .serve import preprocess
 
+    if not path.is_file():
+        raise UsageError_(f"{what} {path}: no such file")
+    try:
+        if path.suffix == ".npy":
+            return np.load(path, allow_pickle=False)
+        return preprocess.to_input(preprocess.load_image(path), spec, preprocess_cfg)
+    except Exception as err:
+        raise UsageError_(f"{what} {path}: cannot read it ({_one_line(err)})") from None
+
+
+def _load_inputs(b: hmod.Bundle, given: tuple[str, ...]) -> list[np.ndarray]:
+    """The model's inputs, in the manifest's order, from the --input options: none (the bundle's
+    first golden input), one FILE for a one-input model, or NAME=FILE for each input."""
     m = b.manifest
-    if input_path is None:
+    specs = m["inputs"]
+    names = [s["name"] for s in specs]
+    if not given:
         golden = b.golden()
         if not golden:
-            raise UsageError_("the bundle has no golden input; pass --input FILE.npy or an image")
+            raise UsageError_("the bundle has no golden input; pass --input FILE.npy or an image"
+                              + ("" if len(specs) == 1 else " for each input as --input NAME=FILE"))
         return golden[0][0]
-    if not input_path.is_file():
-        raise UsageError_(f"--input {input_path}: no such file")
-    try:
-        if input_path.suffix == ".npy":
-            return [np.load(input_path, allow_pickle=False)]
-        return [preprocess.to_input(preprocess.load_image(input_path), m["inputs"][0], m.get("preprocess"))]
-    except Exception as err:
-        raise UsageError_(f"--input {input_path}: cannot read it ({_one_line(err)})") from None
+    by_name: dict[str, Path] = {}
+    for g in given:
+        name, sep, file = g.partition("=")
+        if not sep or (name not in names and Path(g).is_file()):  # a bare FILE (its name may hold a '=')
+            if len(specs) != 1 or len(given) != 1:
+                raise UsageError_(f"--input {g}: the model takes {len(specs)} input(s) ({', '.join(names)}); "
+                                  "give each as --input NAME=FILE")
+            name, file = names[0], g
+        if name not in names:
+            raise UsageError_(f"--input {g}: the model has no input {name!r} (its inputs: {', '.join(names)})")
+        if name in by_name:
+            raise UsageError_(f"--input {name}= given twice")
+        by_name[name] = Path(file)
+    if missing := [n for n in names if n not in by_name]:
+        raise UsageError_(f"no --input for {', '.join(missing)}: the model takes {len(specs)} inputs "
+                          f"({', '.join(names)}); give each as --input NAME=FILE")
+    return [_read_input(by_name[s["name"]], s, m.get("preprocess"), f"--input {s['name']}=") for s in specs]
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--input", "input_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="An image (PNG/JPEG) or a .npy array. Default: the bundle's first golden input.")
+@click.option("--input", "input_specs", multiple=True, metavar="[NAME=]FILE",
+              help="An image (PNG/JPEG) or a .npy array; NAME=FILE for one input of a multi-input model "
+                   "(repeat it for each). Default: the bundle's first golden input.")
 @click.option("--delegate", type=click.Choice(executors.CHOICES), default="auto", show_default=True,
               help="Executor tried first for delegated subgraphs (auto: armnn > onnxruntime > tvm); "
                    "one that cannot build a subgraph falls back to the next, with the reason logged.")
@@ -98,13 +130,14 @@ def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
 @click.option("--draw", "draw_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the --input image with the result drawn on it (boxes, labels, scores) to this .jpg/.png.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, draw_path, as_json):
+def run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, draw_path, as_json):
     """One-shot inference: the decoded result, which executor ran each subgraph, latency."""
     try:
-        _check_draw(draw_path, input_path)
-        result = _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir)
+        image_path = _image_path(input_specs)
+        _check_draw(draw_path, image_path)
+        result = _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, image_path)
         if draw_path is not None:
-            _draw(result, input_path, draw_path)
+            _draw(result, image_path, draw_path)
     except Exception as err:
         _fail(err)
     if as_json:
@@ -184,7 +217,17 @@ def _echo_result(r: dict) -> None:
         click.echo(f"  {d['score']:6.3f}  {d['label']:<16} [{', '.join(f'{v:.1f}' for v in d['box'])}]")
 
 
-def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) -> dict:
+def _image_path(input_specs: tuple[str, ...]) -> Path | None:
+    """The one image the input was made of (what --draw draws on and boxes are measured in)."""
+    if len(input_specs) != 1:
+        return None
+    spec = input_specs[0]
+    name, sep, file = spec.partition("=")
+    path = Path(file) if sep and not Path(spec).is_file() else Path(spec)
+    return path
+
+
+def _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, image_path=None) -> dict:
     from .serve import preprocess
 
     if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
@@ -192,7 +235,7 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
     with hmod.open_bundle(bundle, trusted_keys=keys) as b:
         b.lib_for()  # refuse a bundle without a lib for this machine before anything else
         m = b.manifest
-        inputs = _load_inputs(b, input_path)
+        inputs = _load_inputs(b, tuple(input_specs))
         labels = b.read(m["labels"]).decode("utf-8", "replace").splitlines() if m.get("labels") else None
         from .run.runtime import HybridModule, check_inputs
 
@@ -222,7 +265,7 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
             entry["top5" if top == 5 else f"top{top}"] = [
                 [labels[i] if labels and i < len(labels) else str(int(i)), float(scores[i])] for i in idx]
         result["outputs"].append(entry)
-    result["result"] = _result_of(m, outs, labels, input_path, top)
+    result["result"] = _result_of(m, outs, labels, image_path, top)
     return result
 
 
