@@ -388,3 +388,33 @@ def test_real_models_run_on_cpuacc_and_match_the_reference(board, bundles_dir, t
             failures.append(str(err).strip().splitlines()[0])
     assert not failures, "\n".join(failures)
     print(f"{len(bundles)} real models on armnn/CpuAcc on {board.describe}: {secs:.0f} s")
+
+
+def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_dir, tmp_path):
+    """The real detectors compiled with their packages' preprocessing and decoders
+    (tests/support/detectors.py), run on the board by `tandoor-agent run --input IMG --json` on
+    Arm NN's CpuAcc: the boxes in the image's pixels match the package's own code on the host
+    (IoU >= 0.9 one to one, same labels, scores within 1e-3)."""
+    import cv2
+
+    from support import detectors
+    from support.references import match
+
+    problems = []
+    for name, det in detectors.DETECTORS.items():
+        bundle = detectors.compiled_detector(name, bundles_dir)
+        img = det.images[0]
+        rgb = detectors.image(img)
+        png = tmp_path / f"{name}-{img}.png"
+        cv2.imwrite(str(png), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+        res = board.run([f"{board.venv}/bin/tandoor-agent", "run", board.put(bundle), "--input", board.put(png),
+                         "--delegate", "armnn", "--json"])
+        assert res.returncode == 0, f"{name}: {res.stderr[-2000:]}"
+        report = json.loads(res.stdout)
+        for sg in report["subgraphs"]:
+            if sg["executor"] != "armnn" or set(sg.get("layers") or {}) != {"CpuAcc"}:
+                problems.append(f"{name}: {sg['symbol']} on {sg['executor']} {sg.get('layers')}")
+        ours = report["result"]["detections"]
+        problems += [f"{name} on {img}: {p}" for p in match(ours, detectors.reference(name, rgb))]
+        print(f"{name} on {img}: {len(ours)} detection(s) on armnn/CpuAcc, {board.describe}")
+    assert not problems, "\n".join(problems)
