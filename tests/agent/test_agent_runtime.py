@@ -351,8 +351,11 @@ def _check_fallback(result: dict, stderr: str, outs, bundle: Path, symbol: str, 
 @needs_armnn
 def test_armnn_falls_back_when_it_cannot_build_an_order(tmp_path):
     bundle = tmp_path / "resize.hmod"
+    # --no-check: TVM's own resize lands on the other pixel at these ties too (float32 (x + 0.5) *
+    # 26 / 11 - 0.5 is 12.4999997), so the compile's self-check refuses the whole bundle; this test
+    # is about the agent, whose onnxruntime fallback reproduces the golden output
     run_cli("tandoor", "compile", str(_resize_model(tmp_path / "resize.onnx")), "-o", str(bundle), "-q",
-            "--policy", "all", check=True)
+            "--policy", "all", "--no-check", check=True)
     parts = [p for p in manifest_of(bundle)["partitions"] if p["delegate"] and "image.resize2d" in p["ops"]]
     if not parts:
         pytest.skip("the compiler now keeps this resize out of ACL up front; see the hand-edited case below")

@@ -167,6 +167,14 @@ def transpose() -> Graph:
     g = Graph("transpose", {"x": X})
     g.out(g.op("Transpose", "x", perm=[0, 2, 3, 1]))
     g.out(g.op("Transpose", "x", perm=[0, 3, 1, 2]))
+    # what detector heads do, which Arm NN 20.08's NEPermute refuses as one layer: rank 3 (0, 2, 1)
+    # (YOLOX, PicoDet), YOLOv8's DFL (0, 2, 1, 3), the innermost pair, and rank 2
+    i64 = lambda *v: g.const(np.array(v, np.int64))  # noqa: E731
+    g.out(g.op("Transpose", g.op("Reshape", "x", i64(1, 8, 144)), perm=[0, 2, 1]))
+    g.out(g.op("Transpose", "x", perm=[0, 2, 1, 3]))
+    g.out(g.op("Transpose", "x", perm=[0, 1, 3, 2]))
+    g.out(g.op("Transpose", g.op("Reshape", "x", i64(8, 144)), perm=[1, 0]))
+    g.out(g.op("Softmax", g.op("Reshape", "x", i64(1, 8, 144)), axis=1))
     return g
 
 

@@ -34,6 +34,7 @@ on CpuRef, and by tests/board on CpuAcc with both APIs):
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import math
@@ -74,12 +75,45 @@ class Api:
     constant_infos: bool
     # ActivationFunction::HardSwish, which neither binding names (11 in both enums: after Elu = 10)
     hardswish: int
+    # the binding has AddTransposeLayer (numpy's transpose, every permutation on CpuAcc, 23.08);
+    # without it a transpose is a chain of Permutes NEPermute takes (PERMUTES_2008)
+    transpose_layer: bool = False
 
 
 APIS: dict[str, Api] = {
     "22": Api("20.08", weights_as_inputs=False, depthwise_kernel="MCHW", constant_infos=False, hardswish=11),
-    "33": Api("23.08", weights_as_inputs=True, depthwise_kernel="1HWO", constant_infos=True, hardswish=11),
+    "33": Api("23.08", weights_as_inputs=True, depthwise_kernel="1HWO", constant_infos=True, hardswish=11,
+              transpose_layer=True),
 }
+# The numpy-style axes of the Permute layers Arm NN 20.08 places on CpuAcc, measured on the bookworm
+# board for shapes without unit dims (leading 1s allow a few more): every other permutation falls to
+# CpuRef ("PermutationVector not supported" / "Objects have different dimensions"), among them the
+# rank-3 (0, 2, 1) of every detector head. Ranks 1-2 are lifted to rank 3 by a reshape.
+PERMUTES_2008: dict[int, frozenset[tuple[int, ...]]] = {
+    3: frozenset({(1, 2, 0), (2, 0, 1), (2, 1, 0)}),
+    4: frozenset({(0, 2, 3, 1), (0, 3, 1, 2), (0, 3, 2, 1), (1, 0, 3, 2), (1, 2, 3, 0), (2, 3, 0, 1),
+                  (2, 3, 1, 0), (3, 0, 1, 2), (3, 1, 2, 0), (3, 2, 0, 1), (3, 2, 1, 0)}),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def permute_plan(axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+    """The shortest chain of PERMUTES_2008 whose composition is transpose(axes) (None if there is
+    none within three steps). transpose(transpose(x, a), b) == transpose(x, a[b])."""
+    allowed = PERMUTES_2008.get(len(axes), frozenset())
+    if axes in allowed:
+        return (axes,)
+    frontier = {p: (p,) for p in allowed}
+    for _ in range(2):
+        nxt = {}
+        for done, chain in frontier.items():
+            for b in allowed:
+                c = tuple(done[i] for i in b)
+                if c == axes:
+                    return chain + (b,)
+                nxt.setdefault(c, chain + (b,))
+        frontier = nxt
+    return None
 # Same in both and so not in the table: the Addition/Subtraction/Multiplication/Division/Maximum/
 # Minimum layers (23.08 deprecates them for ElementwiseBinary, but its binding does not export
 # ElementwiseBinaryDescriptor), TransposeConvolution2d taking its weights in the call, Permute,
@@ -635,12 +669,33 @@ class ArmnnExecutor:
         return self._set(layer, shape=shape)
 
     def _permute(self, name: str, slot, in_shape, axes):
-        """numpy-style transpose(axes) as an Arm NN Permute (whose mapping is the inverse)."""
+        """numpy-style transpose(axes): a Transpose layer where the binding has one; else Permutes
+        (whose mapping is the inverse of axes) that NEPermute takes, chained (PERMUTES_2008)."""
         ann = self._ann
-        mapping = tuple(int(i) for i in np.argsort(axes))  # PermutationVector wants a tuple
-        layer = self._net.AddPermuteLayer(ann.PermuteDescriptor(ann.PermutationVector(mapping)), name)
-        slot.Connect(layer.GetInputSlot(0))
-        return self._set(layer, shape=[in_shape[a] for a in axes])
+        axes, rank = [int(a) for a in axes], len(in_shape)
+        out_shape = [in_shape[a] for a in axes]
+        if self._api.transpose_layer:
+            layer = self._net.AddTransposeLayer(ann.TransposeDescriptor(ann.PermutationVector(tuple(axes))), name)
+            slot.Connect(layer.GetInputSlot(0))
+            return self._set(layer, shape=out_shape)
+        cur = list(in_shape)
+        if rank < 3:  # lift to rank 3 with leading 1s, where NEPermute has permutations
+            lift = 3 - rank
+            cur, axes = [1] * lift + cur, list(range(lift)) + [a + lift for a in axes]
+            slot = self._reshape(f"{name}:lift", slot, cur)
+        plan = permute_plan(tuple(axes))
+        if plan is None:
+            raise UnsupportedOrder(f"{name}: a transpose by {axes} has no chain of Permutes Arm NN "
+                                   f"{self._api.release} runs on CpuAcc")
+        for k, step in enumerate(plan):
+            mapping = tuple(int(i) for i in np.argsort(step))  # PermutationVector wants a tuple
+            last = k == len(plan) - 1 and rank >= 3
+            layer = self._net.AddPermuteLayer(ann.PermuteDescriptor(ann.PermutationVector(mapping)),
+                                              name if last else f"{name}:{k}")
+            slot.Connect(layer.GetInputSlot(0))
+            cur = [cur[a] for a in step]
+            slot = self._set(layer, shape=cur)
+        return self._reshape(name, slot, out_shape) if rank < 3 else slot
 
     # one method per op type: (where, name, input slots, input shapes, output shape, attrs, weights)
 
@@ -995,6 +1050,8 @@ class ArmnnExecutor:
             raise UnsupportedOrder(f"{where}: transpose axes {attrs.get('axes')} are not a permutation of rank {rank}")
         if [shape[a] for a in axes] != list(out_shape):
             raise UnsupportedOrder(f"{where}: transpose {list(shape)} by {axes} is not {list(out_shape)}")
+        if axes == list(range(rank)):
+            return self._reshape(name, ins[0], list(shape))
         return self._permute(name, ins[0], shape, axes)
 
     # --- which backend runs what --------------------------------------------------------------
