@@ -465,7 +465,11 @@ def test_softmax(shape, axis):
 
 
 @pytest.mark.parametrize("shape,axes", [([1, 4, 5, 3], [0, 3, 1, 2]), ([1, 3, 4, 5], [0, 2, 3, 1]),
-                                        ([2, 3, 4], [2, 0, 1]), ([2, 3, 4, 5], [3, 1, 0, 2])])
+                                        ([2, 3, 4], [2, 0, 1]), ([2, 3, 4, 5], [3, 1, 0, 2]),
+                                        # NEPermute (20.08) refuses these as one layer: chained
+                                        ([1, 42, 160], [0, 2, 1]), ([2, 3, 4], [1, 0, 2]),
+                                        ([1, 4, 16, 21], [0, 2, 1, 3]), ([1, 21, 4, 16], [0, 1, 3, 2]),
+                                        ([6, 5], [1, 0]), ([7], [0])])
 def test_transpose(shape, axes):
     x = rand(*shape)
     o = Order()
@@ -473,6 +477,39 @@ def test_transpose(shape, axes):
     o.op("transpose", ["x"], "y", [shape[a] for a in axes], {"axes": axes})
     got = run_order(o, ["y"], [x])[0]
     np.testing.assert_array_equal(got, x.transpose(axes))
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+def test_every_permutation_has_a_chain_of_permutes_20_08_runs_on_cpuacc(rank):
+    import itertools
+
+    for axes in itertools.permutations(range(rank)):
+        plan = ax.permute_plan(axes)
+        if axes == tuple(range(rank)):
+            continue
+        assert plan and all(step in ax.PERMUTES_2008[rank] for step in plan), axes
+        x = rand(*range(2, 2 + rank))
+        y = x
+        for step in plan:
+            y = y.transpose(step)
+        np.testing.assert_array_equal(y, x.transpose(axes))
+
+
+def test_differs_tells_a_defect_from_a_summation_order():
+    rng = np.random.default_rng(1)
+    want = rng.standard_normal((1, 40, 38, 16)).astype(np.float32)
+    noise = want + rng.standard_normal(want.shape).astype(np.float32) * 1e-5
+    assert ax.differs([noise], [want]) is None
+    few = want.copy()
+    few.flat[:5] += 0.02       # 5 elements of 24320 a little off: a summation order, not a defect
+    assert ax.differs([few], [want]) is None
+    shifted = want.copy()
+    shifted[:, 1:] = want[:, :-1]   # rows moved, as 20.08's concat left PicoDet's neck
+    assert "differ from onnxruntime" in ax.differs([shifted], [want])
+    one = want.copy()
+    one.flat[7] += 10.0         # one element far off
+    assert "max abs err 10" in ax.differs([one], [want])
+    assert "non-finite" in ax.differs([np.full_like(want, np.nan)], [want])
 
 
 # --- resize -----------------------------------------------------------------------------------

@@ -356,6 +356,21 @@ def _wild_bundles(bundles_dir) -> dict[str, Path]:
     return out
 
 
+# (model, Arm NN release) whose order that release computes wrongly on CpuAcc (measured on the
+# emulated bookworm board, by cutting the order op by op against its ONNX rendering in
+# onnxruntime): the executor's load-time check (Api.reference_check) must catch them and leave
+# the order to onnxruntime. PicoDet's neck: a channel concat after a resize, 90% of its second
+# input's rows shifted; PP-OCRv4 det: its FPN's SE blocks off by hundreds on random input
+# (hidden on the golden image by the final sigmoid: 0.0097 there).
+ARMNN_GETS_WRONG = {("picodet_layout", "20.08"), ("ppocr_det", "20.08")}
+
+
+def _caught_at_load(name: str, sg: dict) -> bool:
+    return sg["executor"] == "onnxruntime" and any(
+        n == name and f"Arm NN {r} on CpuAcc computes this order wrongly" in (sg.get("fallback_reason") or "")
+        for n, r in ARMNN_GETS_WRONG)
+
+
 def test_real_models_run_on_cpuacc_and_match_the_reference(board, bundles_dir, tmp_path):
     """Detectors and dense models from the wild (YOLOv8, YOLOX, PicoDet, CenterFace, DBNet) and
     classic CNNs, as the compiler test compiled them: on the board every order on Arm NN, every
@@ -374,6 +389,8 @@ def test_real_models_run_on_cpuacc_and_match_the_reference(board, bundles_dir, t
         if not subgraphs:
             failures.append(f"{name}: no delegated subgraph")
         for sg in subgraphs:
+            if _caught_at_load(name, sg):
+                continue  # left to onnxruntime: the outputs below must still match
             if sg["executor"] != "armnn" or sg.get("fallback_reason"):
                 failures.append(f"{name}: {sg['symbol']} ran on {sg['executor']}: {sg.get('fallback_reason')}")
             elif set(sg.get("layers") or {}) != {"CpuAcc"}:
@@ -412,6 +429,8 @@ def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_d
         assert res.returncode == 0, f"{name}: {res.stderr[-2000:]}"
         report = json.loads(res.stdout)
         for sg in report["subgraphs"]:
+            if _caught_at_load(name, sg):
+                continue
             if sg["executor"] != "armnn" or set(sg.get("layers") or {}) != {"CpuAcc"}:
                 problems.append(f"{name}: {sg['symbol']} on {sg['executor']} {sg.get('layers')}")
         ours = report["result"]["detections"]

@@ -56,7 +56,30 @@ def _build_armnn(ctx: BuildContext):
     ok, why = armnn.available()
     if not ok:
         raise Unavailable(why)
-    return armnn.ArmnnExecutor(ctx.order, ctx.bundle.weights(ctx.symbol), preferred=ctx.armnn_backends)
+    ex = armnn.ArmnnExecutor(ctx.order, ctx.bundle.weights(ctx.symbol), preferred=ctx.armnn_backends)
+    if armnn.api().reference_check and ex.backend != "CpuRef" and _ort_available()[0]:
+        try:
+            _check_against_onnxruntime(ex, ctx, armnn)
+        except BaseException:
+            ex.close()
+            raise
+    return ex
+
+
+def _check_against_onnxruntime(ex, ctx: BuildContext, armnn) -> None:
+    """Run the order once on a seeded input in Arm NN and in onnxruntime (its ONNX rendering);
+    a result that differs means this Arm NN computes the order wrongly here (Api.reference_check)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(tuple(i["shape"])).astype(np.float32) for i in ctx.order["inputs"]]
+    ref = _build_ort(ctx)
+    try:
+        why = armnn.differs(ex.run(xs), ref.run(xs))
+    finally:
+        getattr(ref, "close", lambda: None)()
+    if why:
+        raise Unavailable(f"Arm NN {armnn.api().release} on {ex.backend} computes this order wrongly ({why})")
 
 
 def _ort_available() -> tuple[bool, str]:
