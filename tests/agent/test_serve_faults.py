@@ -192,3 +192,157 @@ def test_invalid_response_topics_are_refused_and_the_agent_keeps_serving(wd, bro
         assert "Traceback" not in a.proc.output(), a.proc.output()[-3000:]
     finally:
         a.close()
+
+
+# --- 2. liveness: the MQTT loop dies ---------------------------------------------------------------
+
+def test_a_dead_mqtt_network_thread_is_replaced_and_everything_comes_back(wd, broker, bundle, keys):
+    """The failpoint raises out of paho's on_publish (a BaseException, past suppress_exceptions),
+    which ends paho's network thread the way the issue's bug did. The link sees it, closes the old
+    socket (the broker publishes the will), connects a new client: birth again (same session),
+    telemetry goes on without a gap, commands are answered, results flow."""
+    a = Agent(wd, "lv1", broker.port, bundle, keys["public"], env={"TANDOOR_MQTT_FAILPOINT": "kill-loop:4"})
+    try:
+        session = a.status["session"]
+        back = a.telemetry(lambda t: t["mqtt"]["loop_restarts"] == 1, 60)
+        assert back["mqtt"]["connects"] == 2 and back["session"] == session, back["mqtt"]
+        sts = a.statuses()
+        death = next(i for i, s in enumerate(sts) if not s["online"])
+        assert sts[death]["reason"] == "connection lost" and sts[death]["session"] == session, sts
+        assert any(s["online"] and s["session"] == session for s in sts[death + 1:]), sts
+        t0 = time.time()
+        r = a.ask({"cmd": "ping"})
+        assert r["ok"] and r["result"]["pong"] is True
+        a.result_after(t0)
+        later = a.telemetry(lambda t: t["seq"] > back["seq"] + 2, 30)
+        seqs = [m.json()["seq"] for m in a.rec.on("lv1/telemetry")]
+        firsts = [s for i, s in enumerate(seqs) if s not in seqs[:i]]  # a QoS 1 resend may repeat one
+        assert firsts == list(range(1, later["seq"] + 1)), seqs
+        assert later["mqtt"]["telemetry_dropped_offline"] == 0
+        log = a.proc.output()
+        assert "ending the MQTT network thread (test failpoint)" in log
+        assert "the MQTT network thread died (its connection is gone); starting a new MQTT client" in log
+        assert a.proc.proc.poll() is None
+    finally:
+        a.close()
+
+
+def test_a_dead_sender_thread_ends_the_agent_so_the_service_manager_restarts_it(wd, broker, bundle, keys):
+    """The link cannot mend its own sender: the agent exits 1 with one line (systemd's
+    Restart=on-failure starts it again) and the retained status says error, not online."""
+    a = Agent(wd, "lv2", broker.port, bundle, keys["public"], env={"TANDOOR_MQTT_FAILPOINT": "kill-sender:3"})
+    try:
+        code = a.proc.proc.wait(60)
+        lines = [x for x in a.proc.output().splitlines() if x.startswith("tandoor-agent: error:")]
+        assert code == 1 and lines == ["tandoor-agent: error: the MQTT link stopped working (its sender thread "
+                                       "died, see the log above); exiting so that the service manager restarts "
+                                       "the agent"], (code, a.proc.output()[-2000:])
+        st = status_of(a.rec, "lv2", 10, lambda s: not s["online"])
+        assert st["reason"] == "error" and st["state"] == "error" and "MQTT link stopped" in st["error"]
+    finally:
+        a.close()
+
+
+# --- 3. telemetry while the broker is down ----------------------------------------------------------
+
+def test_telemetry_buffered_offline_is_bounded_counted_and_delivered_in_order(wd, bundle, keys):
+    """offline_buffer = 3, telemetry every 0.2 s, the broker SIGKILLed for 2 s: ~10 messages
+    taken offline, the 3 newest kept; after the restart they arrive first and in order, then live
+    ones; the published drop count equals the gaps in seq."""
+    b = Broker(wd / "b-buffer").start()
+    a = None
+    try:
+        a = Agent(wd, "buf1", b.port, bundle, keys["public"], telemetry_period_s=0.2, offline_buffer=3)
+        before = a.telemetry(lambda t: t["seq"] >= 3, 30)
+        b.kill()
+        time.sleep(2.0)  # the outage itself
+        b.start()
+        live = a.telemetry(lambda t: t["mqtt"]["connects"] == 2 and not t.get("queued_offline"), 60)
+        got = [m.json() for m in a.rec.on("buf1/telemetry")]
+        order = [g["seq"] for g in got]
+        firsts = [s for i, s in enumerate(order) if s not in order[:i]]  # a QoS 1 resend may repeat one
+        assert firsts == sorted(firsts), order  # delivered in order
+        offline = sorted({g["seq"] for g in got if g.get("queued_offline")})
+        assert offline == [live["seq"] - 3, live["seq"] - 2, live["seq"] - 1], (offline, live["seq"])  # the newest
+        dropped = live["mqtt"]["telemetry_dropped_offline"]
+        missing = set(range(1, live["seq"])) - set(firsts)
+        assert dropped == len(missing) and dropped >= 4, (dropped, sorted(missing), order)
+        assert min(missing) > before["seq"] and max(missing) < offline[0], (sorted(missing), offline)
+        assert live["mqtt"]["loop_restarts"] == 0 and a.proc.proc.poll() is None
+    finally:
+        if a is not None:
+            a.close()
+        b.stop()
+
+
+# --- 4. the camera's source vanishes mid-stream and comes back --------------------------------------
+
+def _frames(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(4)
+    return [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def _image_folder(d: Path) -> Path:
+    import cv2
+
+    d.mkdir()
+    for i, img in enumerate(_frames(4)):
+        assert cv2.imwrite(str(d / f"{i:03d}.png"), img)
+    return d
+
+
+def _video(p: Path) -> Path:
+    import cv2
+
+    w = cv2.VideoWriter(str(p), cv2.VideoWriter_fourcc(*"MJPG"), 20.0, (64, 48))
+    assert w.isOpened()
+    for img in _frames(10):  # half a second: the file is reopened at every pass
+        w.write(img)
+    w.release()
+    return p
+
+
+@pytest.mark.parametrize("kind", ["images", "file"])
+def test_a_camera_source_removed_mid_stream_is_reopened_with_backoff(wd, broker, bundle, keys, kind):
+    """The source is renamed away while the agent serves it, then put back: status says
+    camera-lost with the reason at every reopen attempt (delays doubling to the cap), the
+    watchdog keeps being fed and commands answered meanwhile, then running again in the same
+    process (one READY=1, one session) and results flow."""
+    dev = f"cam-{kind}"
+    path = _image_folder(wd / "frames") if kind == "images" else _video(wd / "clip.avi")
+    camera = {"source": f"{kind}:{path}", "fps": 20.0, "reconnect_min_s": 0.2, "reconnect_max_s": 0.8}
+    a = Agent(wd, dev, broker.port, bundle, keys["public"], notify=True, camera=camera)
+    away = path.with_name(path.name + ".away")
+    try:
+        session = a.status["session"]
+        a.notify.wait_for("READY=1", timeout=30)
+        os.rename(path, away)
+        t_lost = time.monotonic()
+        why = "no such directory" if kind == "images" else "no such file"
+        lost = status_of(a.rec, dev, 30, lambda s: s.get("state") == "camera-lost", "camera-lost")
+        assert lost["online"] and why in lost["camera_lost"]["reason"] and lost["camera_lost"]["attempts"] == 0, lost
+        third = status_of(a.rec, dev, 30, lambda s: (s.get("camera_lost") or {}).get("attempts", 0) >= 3,
+                          "three reopen attempts")
+        assert str(path) in third["camera_lost"]["last_error"], third
+        r = a.ask({"cmd": "ping"})
+        assert r["ok"] and r["result"]["state"] == "camera-lost"
+        a.notify.wait_for("WATCHDOG=1", after=t_lost, count=4, timeout=30)  # fed while lost
+        delays = [s["camera_lost"]["delay_s"] for s in a.statuses() if s.get("camera_lost")]
+        assert delays[:4] == [0.2, 0.4, 0.8, 0.8], delays  # doubling from min, capped at max
+        os.rename(away, path)
+        t_back = time.time()
+        back = status_of(a.rec, dev, 30, lambda s: s.get("state") == "running" and "camera_lost" not in s
+                         and s["ts"] > t_back - 1, "running again")
+        assert back["session"] == session
+        a.result_after(t_back)
+        tel = a.telemetry(lambda t: t["state"] == "running", after=t_back)
+        assert tel["camera"]["losses"] == 1 and tel["camera"]["lost"] is None, tel["camera"]
+        assert len(a.notify.states("READY=1")) == 1 and a.proc.proc.poll() is None
+    finally:
+        if away.exists():
+            os.rename(away, path)
+        a.close()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
