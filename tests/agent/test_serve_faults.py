@@ -346,3 +346,198 @@ def test_a_camera_source_removed_mid_stream_is_reopened_with_backoff(wd, broker,
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+# --- 5. hostile input on every topic the agent reads -------------------------------------------------
+
+FUZZ_CASES = 3000
+FUZZ_BARRIER = 250  # a ping after this many: the agent must answer it before the next batch
+FUZZ_SEED = 17
+#: values a mutation puts in place of a field's (wrong types, extremes, lone surrogates, deep nests)
+ODD_VALUES = [None, True, False, 0, -1, 2 ** 63, 1e308, -1e-308, "", "x" * 5000, "\ud800", "tandoor/#", [], {},
+              [[[[[[]]]]]], {"a": {"b": {"c": None}}}, "../../etc/passwd", "\x00", "ping", 3.5]
+
+
+def _seeds(dev: str) -> tuple[list[tuple[str, bytes]], dict]:
+    """Valid messages for each topic the agent reads, and a job offer (its chunks real)."""
+    rng = random.Random(FUZZ_SEED)
+    data = rng.randbytes(4 * 1024)
+    chunks = [data[i:i + 1024] for i in range(0, len(data), 1024)]
+    offer = {"job_id": "fuzz-1", "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "chunk_size": 1024,
+             "n_chunks": 4, "chunk_sha256": [hashlib.sha256(c).hexdigest() for c in chunks],
+             "deadline": time.time() + 3600, "issued": time.time(), "stall_timeout_s": 600, "transport": "mqtt",
+             "health_frames": 5, "model": {"name": "fuzz", "version": "9"}}
+    base = f"tandoor/{dev}"
+    j = lambda o: json.dumps(o).encode()  # noqa: E731
+    seeds = [(f"{base}/cmd", j({"cmd": c, **extra})) for c, extra in [
+        ("ping", {}), ("get-config", {}), ("update-status", {}), ("snapshot", {}),
+        ("set-config", {"args": {"top_k": 3}}), ("set-config", {"args": {"results_max_rate_hz": 5}}),
+        ("ping", {"correlation_id": "c-1", "response_topic": "fuzz/answers"}), ("frobnicate", {"args": {}})]]
+    seeds += [(f"{base}/update/job", j(offer)),
+              (f"{base}/update/cancel", j({"job_id": "fuzz-0", "reason": "fuzz"})),
+              (f"{base}/update/keys", j({"op": "add-key", "id": "k-fuzz", "issued": time.time(),
+                                         "key": "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n",
+                                         "signature": "00" * 64, "signer": "0" * 16}))]
+    seeds += [(f"{base}/update/chunk/fuzz-1/{i}", c) for i, c in enumerate(chunks)]
+    seeds += [(f"tandoor/~fleet/update/chunk/fuzz-1/{i}", c) for i, c in enumerate(chunks)]
+    return seeds, offer
+
+
+def _mutate(rng: random.Random, topic: str, payload: bytes) -> tuple[str, bytes]:
+    how = rng.randrange(10)
+    if how == 0:  # flipped bytes
+        b = bytearray(payload)
+        for _ in range(rng.randint(1, 8)):
+            if b:
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        return topic, bytes(b)
+    if how == 1:  # truncated
+        return topic, payload[:rng.randrange(len(payload) + 1)]
+    if how == 2:  # junk inserted
+        i = rng.randrange(len(payload) + 1)
+        return topic, payload[:i] + rng.randbytes(rng.randint(1, 64)) + payload[i:]
+    if how == 3:  # huge (rarely), or a deep nest
+        if rng.random() < 0.1:
+            return topic, b'{"cmd": "ping", "pad": "' + b"A" * rng.randint(70_000, 2_000_000) + b'"}'
+        return topic, b"[" * rng.randint(1000, 200_000)
+    if how == 4:  # a wrong index or job in a chunk topic, or a sub-topic nobody expects
+        parts = topic.split("/")
+        parts[-1] = rng.choice(["-1", "999999", "x", "", "1e3", str(2 ** 70)])
+        if rng.random() < 0.3:
+            parts[-2] = rng.choice(["fuzz-2", "..", "a" * 200])
+        return "/".join(parts), payload
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        return topic, rng.randbytes(rng.randint(0, 256))
+    if not isinstance(body, dict):
+        return topic, payload
+    if how in (5, 6, 7) and body:  # a field of a wrong type or an extreme value
+        for _ in range(rng.randint(1, 3)):
+            k = rng.choice(list(body))
+            body[k] = rng.choice(ODD_VALUES)
+    elif how == 8:  # unknown fields and commands
+        body[rng.choice(["cmd", "args", "op", "job_id", "zzz"])] = "".join(
+            rng.choice("abcdefghij-_/#+$\u00e9") for _ in range(rng.randint(0, 80)))
+    else:  # NaN, or non-UTF-8 bytes in a string
+        return topic, json.dumps(body).replace("}", ', "n": NaN}', 1).encode() if rng.random() < 0.5 \
+            else json.dumps(body).encode().replace(b'"', b'"\xff', 1)
+    return topic, json.dumps(body).encode()
+
+
+def _tracebacks(log: str) -> list[str]:
+    """Each traceback in an agent's log, up to and with its exception line."""
+    out, cur = [], None
+    for line in log.splitlines():
+        if line.startswith("Traceback (most recent call last):"):
+            cur = [line]
+        elif cur is not None:
+            cur.append(line)
+            if not line.startswith((" ", "\t")):
+                out.append("\n".join(cur))
+                cur = None
+    return out
+
+
+def _known_updater_recursion(tb: str) -> bool:
+    """The one fault the fuzzer finds outside agent/serve (see the xfail test below)."""
+    return "agent/update/jobs.py" in tb and tb.rsplit("\n", 1)[-1].startswith(
+        "RecursionError: maximum recursion depth exceeded")
+
+
+def test_hostile_input_on_every_topic_the_agent_reads(wd, broker, bundle, keys):
+    """FUZZ_CASES seeded mutations (flipped, truncated, junk, huge, deep nests, wrong types,
+    unknown commands and fields, NaN, bad UTF-8, bad chunk topics, odd MQTT 5 Response Topics and
+    Correlation Data, replays of earlier messages) on cmd, update/job, update/chunk, the fleet
+    chunk topic, update/cancel and update/keys. A ping after every FUZZ_BARRIER is answered, the
+    network thread never restarts, no traceback is logged, every response is a well-formed
+    answer, nothing is installed, and results and telemetry still flow at the end."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    dev = "fz1"
+    slots = seed_slots(wd / "fz-slots", bundle, keys["public"])
+    a = Agent(wd, dev, broker.port, bundle, keys["public"], slot_dir=slots, log_level="warning",
+              extra_topics=("fuzz/#",))
+    pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="fuzzer", protocol=mqtt.MQTTv5)
+    pub.max_inflight_messages_set(200)
+    pub.connect("127.0.0.1", broker.port)
+    pub.loop_start()
+    try:
+        before = a.ask({"cmd": "update-status"})["result"]
+        seeds, offer = _seeds(dev)
+        a.rec.publish(f"tandoor/{dev}/update/job", json.dumps(offer))  # a job, so chunks have one to hit
+        a.rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json().get("job_id") == "fuzz-1", 30,
+                       "the fuzz job accepted")
+        rng = random.Random(FUZZ_SEED)
+        sent: list[tuple[str, bytes, Properties | None]] = []
+        kinds: dict[str, int] = {}
+        for n in range(1, FUZZ_CASES + 1):
+            if sent and rng.random() < 0.05:  # a replay of an earlier message, properties and all
+                topic, payload, props = rng.choice(sent)
+                kind = "replay"
+            else:
+                seed = rng.choice(seeds)
+                kind = "~fleet/update/chunk" if "~fleet" in seed[0] else \
+                    seed[0].split("/", 2)[2].replace("/fuzz-1", "").rstrip("/0123456789")
+                topic, payload = _mutate(rng, *seed)
+                props = None
+                if topic.endswith("/cmd") and rng.random() < 0.4:
+                    props = Properties(PacketTypes.PUBLISH)
+                    props.ResponseTopic = rng.choice(["fuzz/answers", "fuzz/+/x", "fuzz/#", f"tandoor/{dev}/cmd",
+                                                      f"tandoor/{dev}/update/job", "fuzz/" + "y" * 1000])
+                    props.CorrelationData = rng.choice([b"", b"c", rng.randbytes(16), rng.randbytes(2000)])
+                sent.append((topic, payload, props))
+            kinds[kind] = kinds.get(kind, 0) + 1
+            pub.publish(topic, payload, qos=1, properties=props).wait_for_publish(30)
+            if n % FUZZ_BARRIER == 0:
+                r = a.ask({"cmd": "ping"}, timeout=60)
+                assert r["ok"] and r["result"]["pong"], (n, r)
+                assert a.proc.proc.poll() is None, a.proc.output()[-3000:]
+        print(f"\nfuzzed {FUZZ_CASES} cases (seed {FUZZ_SEED}) on topics {sorted(kinds.items())}")
+        # the fuzz may have (validly) changed the safe keys: put them back, then results must flow
+        r = a.ask({"cmd": "set-config", "args": {"top_k": 5, "results_max_rate_hz": 5, "telemetry_period_s": 0.5}})
+        assert r["ok"], r
+        t0 = time.time()
+        a.result_after(t0)
+        tel = a.telemetry(after=t0 + 0.6)
+        assert tel["mqtt"]["loop_restarts"] == 0 and tel["mqtt"]["connects"] == 1, tel["mqtt"]
+        after = a.ask({"cmd": "update-status"})["result"]
+        assert after["slots"] == before["slots"], (before, after)  # nothing installed
+        states = {m.json().get("state") for m in a.rec.on(f"{dev}/update/ack")}
+        assert not states & {"verified", "staged", "trial", "committed"}, states
+        answers = [m for m in a.rec.messages if m.topic in (f"tandoor/{dev}/response", "fuzz/answers")]
+        assert len(answers) > FUZZ_CASES // 4, len(answers)
+        for m in answers:
+            body = m.json()
+            assert isinstance(body["ok"], bool) and (body["ok"] or (isinstance(body["error"], str) and body["error"]))
+        assert any(m.json().get("repeated") for m in answers), "no replay answered from the record"
+        unknown = [t for t in _tracebacks(a.proc.output()) if not _known_updater_recursion(t)]
+        assert not unknown, unknown[:3]
+    finally:
+        pub.loop_stop()
+        pub.disconnect()
+        a.close()
+
+
+@pytest.mark.xfail(strict=True, reason="agent/update/jobs.py (_on_cancel, _job_id_of) and "
+                   "contract/protocol.py (json_object) do not catch RecursionError, so a deeply nested JSON "
+                   "offer gets no answer and leaves a traceback in the log (the updater thread's guard catches "
+                   "it; the agent serves on). Not this branch's files: add RecursionError to their except tuples")
+def test_deeply_nested_json_on_the_update_topics_is_refused_without_a_traceback(wd, broker, bundle, keys):
+    dev = "fz2"
+    slots = seed_slots(wd / "fz2-slots", bundle, keys["public"])
+    a = Agent(wd, dev, broker.port, bundle, keys["public"], slot_dir=slots, log_level="warning")
+    try:
+        for leaf in ("update/job", "update/cancel", "update/keys"):
+            a.rec.publish(f"tandoor/{dev}/{leaf}", b"[" * 100_000)
+        a.rec.publish(f"tandoor/{dev}/update/job", b'{"job_id": "deep-1", "x": ' + b"[" * 100_000 + b"}")
+        ack = a.rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json().get("job_id") == "deep-1", 20,
+                             "the deep offer refused").json()
+        assert ack["state"] == "failed" and ack["kind"] == "malformed", ack
+        assert a.ask({"cmd": "ping"})["ok"]
+        assert _tracebacks(a.proc.output()) == []
+    finally:
+        a.close()
