@@ -11,7 +11,7 @@ mosquitto, real `tandoor-agent serve` processes, real signals, real files.
   equal to the gaps, the rest delivered in order
 - the camera's source removed mid-stream (an image folder, a video file) and put back:
   camera-lost with the reason, backoff, watchdog fed, commands answered, back to running, same
-  process
+  process; a hung inference stops the watchdog pings (SIGABRT and a restart, as systemd does, recover)
 - a seeded mutation fuzzer over every topic the agent reads: thousands of cases, the agent
   serving throughout, nothing installed
 """
@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -346,6 +347,38 @@ def test_a_camera_source_removed_mid_stream_is_reopened_with_backoff(wd, broker,
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+def test_a_hung_inference_stops_the_watchdog_and_a_restart_recovers(wd, broker, bundle, keys):
+    """The failpoint makes one inference never return (a wedged driver): the loop stops feeding
+    the watchdog (it must, or systemd could not tell), so the test, as systemd does past
+    WatchdogSec, sends SIGABRT and starts the agent again, which serves."""
+    hang = wd / "hang-now"
+    a = Agent(wd, "hang1", broker.port, bundle, keys["public"], notify=True, env={"TANDOOR_SERVE_HANG_FILE": str(hang)})
+    b = None
+    try:
+        a.notify.wait_for("WATCHDOG=1", count=2, timeout=30)
+        hang.touch()
+        deadline = time.monotonic() + 30
+        while "this inference hangs (test failpoint)" not in a.proc.output():
+            assert time.monotonic() < deadline, a.proc.output()[-2000:]
+            time.sleep(0.05)
+        t_hung = time.monotonic()
+        with pytest.raises(AssertionError, match="no 1 x WATCHDOG=1"):
+            a.notify.wait_for("WATCHDOG=1", after=t_hung + 0.1, timeout=2.5)  # WATCHDOG_USEC is 1 s
+        assert a.proc.stop(signal.SIGABRT, timeout=30) == -signal.SIGABRT
+        st = status_of(a.rec, "hang1", 30, lambda s: not s["online"], "the will")
+        assert st["reason"] == "connection lost"
+        a.close()
+        b = Agent(wd, "hang1", broker.port, bundle, keys["public"], notify=True,
+                  env={"TANDOOR_SERVE_HANG_FILE": str(hang)})
+        assert not hang.exists() and b.status["session"] != a.status["session"]
+        b.notify.wait_for("READY=1", timeout=30)
+        b.result_after(time.time())
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
 
 
 # --- 5. hostile input on every topic the agent reads -------------------------------------------------

@@ -95,6 +95,7 @@ class NotifySocket:
         self._stop = True
         self._t.join(2)
         self.sock.close()
+        Path(self.path).unlink(missing_ok=True)  # so the next agent of a test can bind it again
 
 
 class AgentProcess:
