@@ -266,6 +266,10 @@ KEYS: tuple[Key, ...] = (
         "Video files: deliver at the frame rate like a camera (frames dropped when the model is slower); "
         "false: every frame, lock-step, as fast as the loop runs (benchmarks)."),
     Key("camera.loop", True, boolean, "Start a video file or image folder over at its end (false: the agent stops there)."),
+    Key("camera.reconnect_min_s", 1.0, number(0.05, 3600.0),
+        "A source that fails while running (unplugged, removed) is reopened after this long, the delay "
+        "doubling per failed attempt; the agent keeps running meanwhile (status: camera-lost)."),
+    Key("camera.reconnect_max_s", 30.0, number(0.05, 3600.0), "Longest delay between two attempts to reopen a lost source."),
 
     # detectors: the bundle's decoder and thresholds (tandoor compile --decoder/--conf/...), overridden here
     Key("postprocess.decoder", "auto", choice("auto", *media.DECODERS),
@@ -403,9 +407,10 @@ def from_dict(data: dict[str, Any], base: Path = Path("."), check_files: bool = 
     if bool(values["broker.tls.cert"]) != bool(values["broker.tls.key"]):
         missing = "broker.tls.key" if values["broker.tls.cert"] else "broker.tls.cert"
         raise ConfigError(f"{missing}: broker.tls.cert and broker.tls.key go together")
-    if values["broker.reconnect_min_s"] > values["broker.reconnect_max_s"]:
-        raise ConfigError(f"broker.reconnect_max_s: must be >= broker.reconnect_min_s "
-                          f"({values['broker.reconnect_max_s']:g} < {values['broker.reconnect_min_s']:g})")
+    for t in ("broker", "camera"):
+        lo, hi = values[f"{t}.reconnect_min_s"], values[f"{t}.reconnect_max_s"]
+        if lo > hi:
+            raise ConfigError(f"{t}.reconnect_max_s: must be >= {t}.reconnect_min_s ({hi:g} < {lo:g})")
     return Config(values, path_)
 
 

@@ -23,16 +23,34 @@ MQTT 5, a request's Response Topic and Correlation Data properties are honoured 
 data is echoed as a property of the response); with 3.1.1, or when a v5 request carries no
 Response Topic, ``response_topic`` and ``correlation_id`` fields of the JSON request are used.
 Responses carry a Message Expiry Interval (60 s); results 10 s.
+
+Hostile requests never take the agent down: a response topic that cannot carry a response (not
+UTF-8, over 65535 bytes, a wildcard, NUL, ``$``-reserved, or under the topic prefix but not this
+device's ``response``: a device's inbound topics would read the answer back as a request) is
+refused as a malformed request, answered on ``<base>/response``; ``respond()`` never raises; paho's
+callbacks run with ``suppress_exceptions``. A request whose correlation (MQTT 5 Correlation Data,
+else the JSON ``correlation_id``), response topic and payload were seen in the last
+``REPLAY_WINDOW_S`` is not run again: it gets the recorded response with ``"repeated": true`` (a
+QoS 1 redelivery or a replay runs a command once).
+
+Liveness: the sender thread watches paho's network thread; when it has died (a bug, a callback
+that raised through paho) the client is replaced: the old socket is closed (the broker publishes
+the will), a new client connects and publishes the birth message again (``loop_restarts``
+counts it). ``alive`` is False once the sender thread itself died; the service then exits so the
+service manager restarts the agent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import re
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -50,10 +68,53 @@ log = logging.getLogger("tandoor.mqtt")
 RESPONSE_EXPIRY_S = 60
 RESULT_EXPIRY_S = 10
 _UNSUPPORTED_PROTOCOL = 132  # CONNACK reason "Unsupported protocol version" (and 3.1.1's rc 1)
+MAX_TOPIC_BYTES = 65535      # an MQTT topic name's length field is 16 bits
+MAX_REQUEST_BYTES = 64 * 1024  # a command request; every real one is a few hundred bytes
+MAX_CORRELATION_ID_BYTES = 1024
+CMD_RE = re.compile(r"^[a-z][a-z0-9-]{0,63}$")
+REPLAY_WINDOW_S = RESPONSE_EXPIRY_S  # a repeated request within the life of its answer gets that answer
+REPLAY_MEMORY = 256                  # ... of the last this many requests
+#: test failpoint: "kill-loop:N" ends paho's network thread, "kill-sender:N" the sender thread,
+#: when telemetry message N is acknowledged / about to be sent (as a bug in either would)
+FAILPOINT_ENV = "TANDOOR_MQTT_FAILPOINT"
+
+
+class _Failpoint(BaseException):
+    """Raised by the test failpoint: a BaseException, so no ``except Exception`` (ours, or paho's
+    suppress_exceptions) keeps it from ending the thread it is raised in."""
+
+
+def _failpoint() -> tuple[str, int] | None:
+    v = os.environ.get(FAILPOINT_ENV, "")
+    m = re.fullmatch(r"(kill-loop|kill-sender):(\d+)", v)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False, default=str).encode("utf-8")
+
+
+def topic_problem(topic: Any, *, prefix: str, base: str) -> str | None:
+    """Why ``topic`` cannot carry a response from the device at ``base`` (under ``prefix``), or
+    None when it can. Checked before anything is published, so paho never raises on it."""
+    if not isinstance(topic, str) or not topic:
+        return "must be a non-empty string"
+    try:
+        n = len(topic.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 (it has a lone surrogate)"
+    if n > MAX_TOPIC_BYTES:
+        return f"is {n} bytes long, over MQTT's {MAX_TOPIC_BYTES}"
+    if "+" in topic or "#" in topic:
+        return "must be a topic name without wildcards (+ or #)"
+    if "\0" in topic:
+        return "must not contain NUL"
+    if topic.startswith("$"):
+        return "must not start with $ (reserved for the broker)"
+    if (topic == prefix or topic.startswith(prefix + "/")) and topic != f"{base}/{protocol.RESPONSE}":
+        return (f"must not be under {prefix}/ other than {base}/{protocol.RESPONSE} (a device's inbound topics "
+                "would read the answer as a request)")
+    return None
 
 
 @dataclass
@@ -67,6 +128,7 @@ class Request:
     correlation_id: Any = None              # JSON field, echoed as a field
     error: str | None = None                # set when the request itself is malformed
     received: float = field(default_factory=time.time)
+    digest: bytes = b""                     # sha256 of the payload (the replay memory's key)
 
 
 class Link:
@@ -81,6 +143,7 @@ class Link:
                  status: Callable[[], dict] | None = None, session: str | None = None) -> None:
         self.cfg = cfg
         self.base = cfg.topic_base
+        self.prefix = cfg["broker.topic_prefix"]
         self.topic = {name: f"{self.base}/{name}" for name in (protocol.STATUS, protocol.TELEMETRY, protocol.RESULTS,
                                                                protocol.SNAPSHOT, protocol.CMD, protocol.RESPONSE)}
         self.on_command = on_command
@@ -99,9 +162,13 @@ class Link:
         self.offline_dropped = 0
         self.results_sent = 0
         self.snapshots_sent = 0
+        self.loop_restarts = 0
         self._will: dict = {}
         self._client: mqtt.Client | None = None
         self._thread: threading.Thread | None = None
+        self._replies: OrderedDict[bytes, tuple[float, dict | None]] = OrderedDict()  # replay memory
+        self._inflight_msg: dict | None = None  # the telemetry message waiting for its PUBACK
+        self._failpoint = _failpoint()
         self.updater = None  # agent.updater.Updater: update topics are subscribed and routed to it
 
     # ------------------------------------------------------------------------------- client
@@ -112,6 +179,7 @@ class Link:
                         protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
                         **({} if v5 else {"clean_session": True}))
         c.enable_logger(logging.getLogger("tandoor.mqtt.paho"))
+        c.suppress_exceptions = True  # a callback's bug is logged, it does not end the network thread
         if cfg["broker.username"]:
             c.username_pw_set(cfg["broker.username"], cfg.password())
         if cfg.tls:
@@ -152,9 +220,49 @@ class Link:
         c.connect_async(self.cfg["broker.host"], self.cfg["broker.port"], self.cfg["broker.keepalive_s"], **kw)
         c.loop_start()
 
+    @staticmethod
+    def _network_alive(c: mqtt.Client) -> bool:
+        # paho 2.x keeps its loop_start() thread in _thread and clears it when that thread ends,
+        # however it ends (also by an exception that escaped its loop)
+        t = getattr(c, "_thread", None)
+        return t is not None and t.is_alive()
+
+    def _replace_client(self, why: str) -> None:
+        """A fresh paho client in place of the old one (sender thread only): the old socket is
+        closed without a DISCONNECT, so the broker publishes the will; the new client's connect
+        publishes the birth message. Telemetry in flight on the old client is sent again."""
+        old = self._client
+        log.warning("%s; starting a new MQTT client", why)
+        try:
+            old.loop_stop()
+        except Exception:
+            pass
+        try:
+            sock = old.socket()
+            if sock is not None:
+                sock.close()
+        except Exception:
+            pass
+        with self._cond:
+            was = self._connected
+            self._connected = False
+            self._acked.clear()
+            self._cond.notify_all()
+        if was:
+            log.info("link down until the new client connects")
+        self._client = self._make_client()
+        self._connect(self._client)
+
     @property
     def connected(self) -> bool:
         return self._connected
+
+    @property
+    def alive(self) -> bool:
+        """The link works or is trying to: its sender thread (which also restarts a dead network
+        loop) runs. False before start() and after stop()."""
+        t = self._thread
+        return t is not None and t.is_alive()
 
     # ---------------------------------------------------------------------------- callbacks
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -185,6 +293,8 @@ class Link:
         log.debug("cannot reach %s:%s; retrying", self.cfg["broker.host"], self.cfg["broker.port"])
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if client is not self._client:
+            return  # a replaced client saying goodbye
         with self._cond:
             was = self._connected
             self._connected = False
@@ -193,11 +303,24 @@ class Link:
             log.warning("lost the broker (%s); reconnecting with backoff", reason_code)
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        if client is not self._client:
+            return
         with self._cond:
             self._acked.add(mid)
             self._cond.notify_all()
+        fp = self._failpoint
+        if fp is not None and fp[0] == "kill-loop" and self._seq >= fp[1]:
+            self._failpoint = None
+            log.error("%s=kill-loop: ending the MQTT network thread (test failpoint)", FAILPOINT_ENV)
+            raise _Failpoint("kill-loop")
 
     def _on_message(self, client, userdata, msg) -> None:
+        try:
+            self._dispatch(msg)
+        except Exception:  # never let a message take the network thread down
+            log.exception("message on %r", str(msg.topic)[:200])
+
+    def _dispatch(self, msg) -> None:
         if self.updater is not None and self.updater.wants(msg.topic):
             try:
                 self.updater.on_message(msg.topic, msg.payload, getattr(msg, "properties", None))
@@ -208,9 +331,11 @@ class Link:
             return
         try:
             req = self._parse_request(msg)
-        except Exception as err:  # never let a request take the network thread down
+        except Exception as err:  # a bug in the parser: still an answer, on the default topic
             log.exception("cannot parse a request")
             req = Request(None, {}, self.topic["response"], error=f"bad request: {err}")
+        if self._replayed(req):
+            return
         if req.error is not None:
             self.respond(req, ok=False, error=req.error)
             return
@@ -224,38 +349,97 @@ class Link:
             self.respond(req, ok=False, error=f"internal error: {err}")
 
     def _parse_request(self, msg) -> Request:
+        """The request in ``msg``; ``error`` says what is malformed (the rest is then unused
+        except where the answer goes and the correlation to echo, both checked first)."""
         props = getattr(msg, "properties", None)
         rt = getattr(props, "ResponseTopic", None) if props is not None else None
         cd = getattr(props, "CorrelationData", None) if props is not None else None
-        req = Request(None, {}, rt or self.topic["response"], correlation_data=cd)
+        req = Request(None, {}, self.topic["response"], correlation_data=cd)
+
+        def bad(why: str) -> Request:
+            req.error = f"malformed request: {why}"
+            return req
+
+        if rt is not None:
+            why = topic_problem(rt, prefix=self.prefix, base=self.base)
+            if why is not None:
+                return bad(f"the Response Topic {why}")
+            req.response_topic = rt
+        payload = bytes(msg.payload)
+        req.digest = hashlib.sha256(payload).digest()
+        if len(payload) > MAX_REQUEST_BYTES:
+            return bad(f"{len(payload)} bytes, over the {MAX_REQUEST_BYTES} byte limit")
         try:
-            body = json.loads(msg.payload.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            req.error = f"malformed request: not JSON ({e})"
-            return req
+            body = json.loads(payload.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            return bad(f"not JSON ({' '.join(str(e).split())[:200]})")
         if not isinstance(body, dict):
-            req.error = "malformed request: the payload must be a JSON object"
-            return req
-        req.correlation_id = body.get("correlation_id")
-        if not rt:
+            return bad("the payload must be a JSON object")
+        cid = body.get("correlation_id")
+        if cid is not None:
+            try:
+                n = len(_json(cid))
+            except (ValueError, TypeError, RecursionError):
+                return bad("correlation_id must be plain JSON (no NaN or Infinity)")
+            if n > MAX_CORRELATION_ID_BYTES:
+                return bad(f"correlation_id is {n} bytes as JSON, over {MAX_CORRELATION_ID_BYTES}")
+            req.correlation_id = cid
+        if rt is None:
             frt = body.get("response_topic")
             if frt is not None:
-                if not isinstance(frt, str) or not frt or any(ch in frt for ch in "+#\0"):
-                    req.error = "malformed request: response_topic must be a topic name without wildcards"
-                    return req
+                why = topic_problem(frt, prefix=self.prefix, base=self.base)
+                if why is not None:
+                    return bad(f"response_topic {why}")
                 req.response_topic = frt
         cmd = body.get("cmd")
         if not isinstance(cmd, str) or not cmd:
-            req.error = "malformed request: missing \"cmd\" (a string)"
-            return req
+            return bad("missing \"cmd\" (a string)")
+        if not CMD_RE.match(cmd):
+            return bad("\"cmd\" must be a command name (a-z, 0-9 and -, starting with a letter, at most 64)")
         args = body.get("args", {})
         if args is None:
             args = {}
         if not isinstance(args, dict):
-            req.error = "malformed request: \"args\" must be an object"
-            return req
+            return bad("\"args\" must be an object")
         req.cmd, req.args = cmd, args
         return req
+
+    # ---------------------------------------------------------------------- replay memory
+    @staticmethod
+    def _replay_key(req: Request) -> bytes | None:
+        if req.correlation_data is not None:
+            corr = b"cd:" + bytes(req.correlation_data)
+        elif req.correlation_id is not None:
+            corr = b"id:" + _json(req.correlation_id)
+        else:
+            return None
+        # the payload too: a client that reuses a correlation for a new request gets it run
+        return hashlib.sha256(corr + b"\0" + req.response_topic.encode("utf-8") + b"\0" + req.digest).digest()
+
+    def _replayed(self, req: Request) -> bool:
+        """True when ``req`` repeats a recent one (same correlation, response topic and payload): it
+        gets the recorded response (or none while the first still runs), never a second run."""
+        key = self._replay_key(req)
+        if key is None:
+            return False
+        now = time.monotonic()
+        with self._cond:
+            while self._replies:
+                k, (t, _) = next(iter(self._replies.items()))
+                if now - t <= REPLAY_WINDOW_S and len(self._replies) <= REPLAY_MEMORY:
+                    break
+                self._replies.popitem(last=False)
+            seen = self._replies.get(key)
+            if seen is None:
+                self._replies[key] = (now, None)
+                return False
+        body = seen[1]
+        if body is None:
+            log.info("a repeated request (%s) while the first still runs: ignored", req.cmd or "malformed")
+        else:
+            log.info("a repeated request (%s): answered from the record, not run again", body.get("cmd"))
+            self._send_response(req, _json({**body, "repeated": True}))
+        return True
 
     # ------------------------------------------------------------------------------ publish
     def _props(self, packet: int = PacketTypes.PUBLISH, **values: Any) -> Properties | None:
@@ -266,7 +450,9 @@ class Link:
             setattr(p, k, v)
         return p
 
-    def respond(self, req: Request, ok: bool, result: Any = None, error: str | None = None) -> None:
+    def respond(self, req: Request, ok: bool, result: Any = None, error: str | None = None) -> bool:
+        """Answer ``req`` (never raises: the service calls this with whatever came in). False when
+        the answer could not be handed to paho."""
         body: dict[str, Any] = {"ok": ok, "cmd": req.cmd, "device_id": self.cfg["device_id"], "ts": round(time.time(), 3)}
         if req.correlation_id is not None:
             body["correlation_id"] = req.correlation_id
@@ -274,12 +460,32 @@ class Link:
             body["result"] = result
         else:
             body["error"] = error
+        try:
+            payload = _json(body)
+        except (ValueError, TypeError, RecursionError) as e:  # a result that is not plain JSON: a bug
+            log.error("the response to %s is not JSON: %s", req.cmd, e)
+            body = {k: v for k, v in body.items() if k != "result"}
+            body.update(ok=False, error=f"internal error: the result is not JSON ({e})")
+            payload = _json(body)
+        key = self._replay_key(req)
+        if key is not None:
+            with self._cond:
+                self._replies[key] = (time.monotonic(), body)
+        return self._send_response(req, payload)
+
+    def _send_response(self, req: Request, payload: bytes) -> bool:
         props = {"MessageExpiryInterval": RESPONSE_EXPIRY_S}
         if req.correlation_data is not None:
             props["CorrelationData"] = req.correlation_data
         c = self._client
-        if c is not None:
-            c.publish(req.response_topic, _json(body), qos=1, properties=self._props(**props))
+        if c is None:
+            return False
+        try:
+            info = c.publish(req.response_topic, payload, qos=1, properties=self._props(**props))
+        except Exception as e:  # the topic was checked; anything else paho refuses is only logged
+            log.warning("cannot send the response to %s on %r: %s", req.cmd, req.response_topic[:200], e)
+            return False
+        return info.rc == mqtt.MQTT_ERR_SUCCESS
 
     def _publish_status_now(self, status: dict) -> None:
         c = self._client
@@ -343,21 +549,23 @@ class Link:
         return ok
 
     def publish_telemetry(self, snapshot: dict) -> int:
-        """Queue one telemetry message; returns its sequence number. While offline at most
-        ``offline_buffer`` are kept (the oldest dropped, counted in ``offline_dropped``)."""
+        """Queue one telemetry message; returns its sequence number. At most ``offline_buffer``
+        wait besides the one in flight, the oldest dropped first and counted in
+        ``offline_dropped`` (each dropped one is a gap in ``seq``, and every gap is counted): while
+        offline, and also while a stalled connection is not yet known to be dead (acks stop
+        coming, the queue grows)."""
         with self._cond:
             self._seq += 1
             msg = {"seq": self._seq, "device_id": self.cfg["device_id"], "session": self.session, **snapshot}
             if not self._connected:
                 msg["queued_offline"] = True
-                limit = self._buffer_size
-                # the queue may still hold messages from before the outage, keep at most `limit`
-                while self._queue and len(self._queue) >= max(limit, 1):
-                    self._queue.popleft()
-                    self.offline_dropped += 1
-                if limit == 0:
+                if self._buffer_size == 0:
                     self.offline_dropped += 1
                     return self._seq
+            sent = 1 if self._queue and self._queue[0] is self._inflight_msg else 0  # goes out anyway
+            while len(self._queue) - sent >= max(self._buffer_size, 1):
+                del self._queue[sent]
+                self.offline_dropped += 1
             self._queue.append(msg)
             self._cond.notify_all()
             return self._seq
@@ -369,18 +577,30 @@ class Link:
     def stats(self) -> dict:
         return {"connected": self._connected, "protocol": self.protocol, "connects": self.connects,
                 "telemetry_buffered": len(self._queue), "telemetry_dropped_offline": self.offline_dropped,
-                "results_sent": self.results_sent, "snapshots_sent": self.snapshots_sent}
+                "results_sent": self.results_sent, "snapshots_sent": self.snapshots_sent,
+                "loop_restarts": self.loop_restarts}
 
     # ------------------------------------------------------------------------ sender thread
     def _run(self) -> None:
+        try:
+            self._send_loop()
+        except _Failpoint:
+            log.error("%s=kill-sender: the sender thread ends (test failpoint)", FAILPOINT_ENV)
+        except Exception:
+            log.exception("the MQTT sender thread died")
+
+    def _send_loop(self) -> None:
         """Sends queued telemetry one message at a time, each after the previous one's PUBACK;
-        swaps in a 3.1.1 client when the broker refuses MQTT 5."""
+        replaces the client when paho's network thread died, and with a 3.1.1 client when the
+        broker refuses MQTT 5."""
         inflight: int | None = None  # mid of the message waiting for its PUBACK
         inflight_msg: dict | None = None  # and the queue entry it was made from
         while True:
             with self._cond:
                 while True:
                     if self._downgrade:
+                        break
+                    if not self._stopping and not self._network_alive(self._client):
                         break
                     if inflight is not None and inflight in self._acked:
                         break
@@ -392,29 +612,28 @@ class Link:
                     if self._stopping and self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
                         return
                 downgrade, self._downgrade = self._downgrade, False
-                if inflight is not None and inflight in self._acked:
+                dead = not downgrade and not self._stopping and not self._network_alive(self._client)
+                if not (downgrade or dead) and inflight is not None and inflight in self._acked:
                     self._acked.discard(inflight)
-                    # a full offline buffer may already have dropped it (paho still re-sent it)
-                    if self._queue and self._queue[0] is inflight_msg:
+                    if self._queue and self._queue[0] is inflight_msg:  # never dropped while in flight
                         self._queue.popleft()
-                    inflight = inflight_msg = None
+                    inflight = inflight_msg = self._inflight_msg = None
                     continue
-                if not downgrade:
-                    inflight_msg = self._queue[0]
+                if not (downgrade or dead):
+                    inflight_msg = self._inflight_msg = self._queue[0]
                     msg = dict(inflight_msg)
-            if downgrade:
-                old = self._client
-                old.loop_stop()
-                try:
-                    old.disconnect()
-                except Exception:
-                    pass
-                self.protocol = "3.1.1"
-                self._acked.clear()
-                inflight = inflight_msg = None
-                self._client = self._make_client()
-                self._connect(self._client)
+            if downgrade or dead:
+                if downgrade:
+                    self.protocol = "3.1.1"
+                else:
+                    self.loop_restarts += 1
+                self._replace_client("the broker refuses MQTT 5" if downgrade else
+                                     "the MQTT network thread died (its connection is gone)")
+                inflight = inflight_msg = self._inflight_msg = None  # goes again on the new client
                 continue
+            fp = self._failpoint
+            if fp is not None and fp[0] == "kill-sender" and msg["seq"] >= fp[1]:
+                raise _Failpoint("kill-sender")
             msg["sent_ts"] = round(time.time(), 3)
             info = self._client.publish(self.topic["telemetry"], _json(msg), qos=1)
             # Even when this fails with "not connected", paho keeps the QoS 1 message and sends it
@@ -436,6 +655,7 @@ class Link:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()))
+        c = self._client  # the sender may have replaced it
         if self._connected:
             payload = {"online": False, "reason": reason, "device_id": self.cfg["device_id"],
                        "session": self.session, "protocol": self.protocol, **(status or {}),

@@ -11,9 +11,15 @@ systemd (Type=notify): READY=1 after the first inference, WATCHDOG=1 from the lo
 WATCHDOG_USEC (a loop stuck in inference or a dead lock stops pinging and gets restarted),
 STOPPING=1 when draining, STATUS= lines along the way.
 
+Faults the loop rides out: a camera that fails while running (unplugged, its file or folder
+removed) is reopened with backoff (camera.Reconnecting) while the loop goes on (state
+"camera-lost", the reason in status, watchdog fed, commands answered); a dead MQTT network thread
+is replaced by the link itself. A dead link (its sender thread gone) ends the agent (exit 1) so
+the service manager restarts it.
+
 Exit codes: 0 stopped (signal, --max-frames, --duration, end of a non-looping source);
 1 internal error; 2 bad config or command line; 3 runtime (no executor, inference keeps failing);
-4 camera (cannot open, stopped delivering); 10-19 bundle refused (contract/hmod.py's table).
+4 camera (cannot open at start); 10-19 bundle refused (contract/hmod.py's table).
 Every failure is one line on stderr: "tandoor-agent: error: <reason>".
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import signal
 import sys
@@ -39,6 +46,9 @@ from tandoor_contract import durable
 log = logging.getLogger("tandoor.service")
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+#: test failpoint: when this file exists, the next inference removes it and never returns (as a
+#: wedged driver would); only the watchdog can tell, and systemd's restart recovers
+HANG_ENV = "TANDOOR_SERVE_HANG_FILE"
 
 
 class ServiceError(TandoorError):
@@ -166,6 +176,9 @@ class Service:
                      executors=self.model.executors())
         if self.source is not None:
             s["camera"] = self.source.name
+            lost = self.source.lost_info()
+            if lost is not None:
+                s["camera_lost"] = lost
         if self.error:
             s["error"] = self.error
         if self.updater is not None and self.updater.notice:
@@ -321,7 +334,11 @@ class Service:
                 req = self.commands.get_nowait()
             except queue.Empty:
                 return
-            self._handle(req)
+            try:
+                self._handle(req)
+            except Exception as err:  # a bug in a command must not end the loop (respond never raises)
+                log.exception("command %s failed", req.cmd)
+                self.link.respond(req, ok=False, error=f"internal error: {' '.join(str(err).split())}")
 
     # ----------------------------------------------------------------------------- publish
     def _publish_telemetry(self) -> None:
@@ -375,7 +392,10 @@ class Service:
             try:
                 self.model.build(cfg)
                 self.telemetry = Telemetry(root=cfg["sysfs_root"], window=cfg["telemetry_window"])
-                self.source = open_camera(cfg)
+                from .camera import Reconnecting
+
+                self.source = Reconnecting(lambda: open_camera(cfg), cfg["camera.reconnect_min_s"],
+                                           cfg["camera.reconnect_max_s"])
                 self.source.start()
             except Exception as err:
                 self.error = " ".join(str(err).split())
@@ -405,6 +425,30 @@ class Service:
         except Exception:
             pass
 
+    def _track_camera(self, ready: bool) -> None:
+        """camera-lost while the source is being reopened, back to running when it works: the
+        status says so (again at every failed attempt, which the backoff spaces out)."""
+        src = self.source
+        seen = (src.lost, src.attempts) if src.lost is not None else None
+        if seen == self._camera_seen:
+            return
+        self._camera_seen = seen
+        if seen is not None:
+            self.state = "camera-lost"
+            self.notifier.status(f"camera lost: {src.lost}")
+        elif self.state == "camera-lost":
+            self.state = "running" if ready else "starting"
+            self.notifier.status(f"camera back: {src.name}")
+        self.link.publish_status(self.status())
+
+    def _hang_if_asked(self) -> None:
+        path = os.environ.get(HANG_ENV)
+        if path and os.path.exists(path):
+            os.unlink(path)
+            log.error("%s: this inference hangs (test failpoint)", HANG_ENV)
+            while True:
+                time.sleep(60)
+
     def _loop(self) -> int:
         from .camera import CameraError
 
@@ -417,8 +461,13 @@ class Service:
         last_dropped = 0
         ready = False
         max_errors = cfg["max_consecutive_errors"]
+        self._camera_seen = None
+        hang_test = bool(os.environ.get(HANG_ENV))
         while self._stop_reason is None:
             now = time.monotonic()
+            if not self.link.alive:
+                raise ServiceError("the MQTT link stopped working (its sender thread died, see the log above); "
+                                   "exiting so that the service manager restarts the agent")
             self._watchdog(now)
             if not self.commands.empty():
                 self._drain_commands()
@@ -433,6 +482,7 @@ class Service:
             except CameraError as err:
                 self.error = str(err)
                 raise
+            self._track_camera(ready)
             if frame is None:
                 if src.eof:
                     log.info("the source ended")
@@ -440,6 +490,8 @@ class Service:
                 continue
             if self._pending_swap is not None:
                 self._apply_swap()  # between two frames: the new model serves this one
+            if hang_test:
+                self._hang_if_asked()
             try:
                 result = self.model.pipeline.process(frame)
             except Exception as err:

@@ -47,7 +47,8 @@ def write_config(path: Path, **sections) -> Path:
 
 
 class NotifySocket:
-    """What systemd listens on for sd_notify: a unix datagram socket; records every message."""
+    """What systemd listens on for sd_notify: a unix datagram socket; records every message
+    (monotonic time, text) and lets a test wait for one."""
 
     def __init__(self, path: Path) -> None:
         self.path = str(path)
@@ -55,6 +56,7 @@ class NotifySocket:
         self.sock.bind(self.path)
         self.sock.settimeout(0.2)
         self.messages: list[tuple[float, str]] = []
+        self._cond = threading.Condition()
         self._stop = False
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -67,15 +69,33 @@ class NotifySocket:
                 continue
             except OSError:
                 return
-            self.messages.append((time.monotonic(), data.decode()))
+            with self._cond:
+                self.messages.append((time.monotonic(), data.decode()))
+                self._cond.notify_all()
 
     def states(self, key: str) -> list[float]:
-        return [t for t, m in self.messages if f"{key}\n" in m + "\n"]
+        """When each message carrying ``key`` (e.g. "READY=1") came."""
+        with self._cond:
+            return [t for t, m in self.messages if f"{key}\n" in m + "\n"]
+
+    def wait_for(self, key: str, after: float = 0.0, timeout: float = 30.0, count: int = 1) -> list[float]:
+        """Wait until ``count`` messages carrying ``key`` came after ``after`` (monotonic); their times."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = [t for t, m in self.messages if t > after and f"{key}\n" in m + "\n"]
+                if len(got) >= count:
+                    return got
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {count} x {key} within {timeout:g} s; got {self.messages[-5:]}")
+                self._cond.wait(left)
 
     def close(self) -> None:
         self._stop = True
         self._t.join(2)
         self.sock.close()
+        Path(self.path).unlink(missing_ok=True)  # so the next agent of a test can bind it again
 
 
 class AgentProcess:
