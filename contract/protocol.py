@@ -84,8 +84,8 @@ def json_object(payload: bytes, max_bytes: int, what: str) -> dict[str, Any]:
         raise ValueError(f"{what} of {len(payload)} bytes is over the {max_bytes} byte limit")
     try:
         o = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{what} is not JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise ValueError(f"{what} is not JSON ({type(e).__name__ if isinstance(e, RecursionError) else e})") from None
     if not isinstance(o, dict):
         raise ValueError(f"{what} must be a JSON object")
     return o

@@ -711,8 +711,8 @@ class Updater:
             if not isinstance(jid, str) or not JOB_ID_RE.match(jid):
                 raise ValueError("job_id")
             why = " ".join(str(body.get("reason") or "cancelled by the fleet").split())[:200]
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring a malformed cancel (%s)", e)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
+            log.warning("ignoring a malformed cancel (%s)", type(e).__name__ if isinstance(e, RecursionError) else e)
             return
         done = self._recorded_final(jid)
         if done is not None:
@@ -1005,7 +1005,9 @@ def _job_id_of(payload: bytes) -> str | None:
     """The job id of an offer that failed validation, when it can be read (for the answer)."""
     try:
         o = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        # not JSON as a whole (too deeply nested, cut short): a leading "job_id" still names it
+        m = re.match(rb'\s*\{\s*"job_id"\s*:\s*"([^"\\]{1,128})"', payload[:512])
+        o = {"job_id": m.group(1).decode("utf-8", "replace")} if m else None
     jid = o.get("job_id") if isinstance(o, dict) else None
     return jid if isinstance(jid, str) and JOB_ID_RE.match(jid) else None
