@@ -15,6 +15,8 @@ quantization step of each output, the step of the DequantizeLinear that produces
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import tempfile
@@ -111,7 +113,8 @@ def quantize_model(model: str | Path, out: str | Path, *,
         method: minmax | entropy | percentile (onnxruntime's calibrators).
         per_channel: per-output-channel weight scales (else one scale per weight tensor).
         activations: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).
-        metadata: recorded beside the settings in the output's metadata_props (e.g. preprocessing).
+        metadata: recorded beside the settings in the output's metadata_props (e.g. preprocessing),
+            read once calibration is done (``calibration`` may fill it in).
         progress: ``progress(done, count)`` after each calibration sample.
 
     Raises CompileError for a bad input (exit 2). Nothing is written at ``out`` unless it succeeded.
@@ -151,8 +154,9 @@ def quantize_model(model: str | Path, out: str | Path, *,
         staged = Path(tmp) / "q.onnx"
         say(f"calibrating on {count} sample(s) ({method}) and quantizing")
         act = QuantType.QInt8 if activations == "int8" else QuantType.QUInt8
-        quantize_static(str(pre), str(staged), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
-                        activation_type=act, weight_type=QuantType.QInt8, calibrate_method=calibrate_method)
+        with contextlib.redirect_stdout(io.StringIO()):   # its calibrators print their steps
+            quantize_static(str(pre), str(staged), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
+                            activation_type=act, weight_type=QuantType.QInt8, calibrate_method=calibrate_method)
         if reader.seen < count:
             raise CompileError(f"the calibration source gave {reader.seen} sample(s), not the {count} asked for; "
                                "give --images N at most the number of images (or frames) it has")

@@ -87,7 +87,7 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
                            "more images")
     flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                  pad_value=pad_value, pixel_range=pixel_range)
-    chosen: dict = {}
+    chosen: dict = {"calibration": src.describe()}     # recorded in the model; preprocess once it is known
 
     def samples(model_inputs):
         if len(model_inputs) != 1:
@@ -102,7 +102,7 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
         task = bar.add_task("calibrating", total=n)
         res = quantize_model(model, out, calibration=samples, count=n, inputs=inputs, method=method,
                              per_channel=per_channel, activations=activations,
-                             metadata={"calibration": src.describe(), "preprocess": chosen.get("preprocess")},
+                             metadata=chosen,
                              progress=lambda done, total: bar.update(task, completed=done),
                              say=lambda m: console.log(m))
     q = res["quantized"]
