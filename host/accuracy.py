@@ -62,9 +62,10 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
         spec = m["inputs"][0]
         pins = [f"{spec['name']}=" + "x".join(str(d) for d in spec["shape"])]
         ref = frontend.load(reference, pins)
-        if len(ref.outputs) != len(m["outputs"]):
-            raise CompileError(f"--reference {Path(reference).name} has {len(ref.outputs)} output(s), the bundle "
-                               f"{len(m['outputs'])}: give the fp32 model this bundle was quantized from")
+        theirs, ours = [o.shape for o in ref.outputs], [o["shape"] for o in m["outputs"]]
+        if theirs != ours:
+            raise CompileError(f"--reference {Path(reference).name} has output(s) of shape {theirs}, the bundle "
+                               f"{ours}: give the fp32 model this bundle was quantized from")
         so = ort.SessionOptions()
         so.log_severity_level = 3
         sess = ort.InferenceSession(ref.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
