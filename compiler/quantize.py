@@ -9,8 +9,8 @@ will import. The calibration inputs come from the caller (the host CLI preproces
 way the bundle will, host/calibration.py); this module never reads pixels.
 
 For an already-quantized QDQ model (the output here, or a PyTorch/NNCF/ModelOpt export),
-:func:`tolerance` is how far the compiled bundle may differ from onnxruntime's QDQ run: one
-quantization step of each output, the step of the DequantizeLinear that produces it.
+:func:`tolerance` is how far the compiled bundle may differ from onnxruntime's QDQ run, in
+quantization steps of each output (the scale of the DequantizeLinear that produces it).
 """
 
 from __future__ import annotations
