@@ -34,7 +34,7 @@ import numpy as np
 
 from tandoor_contract import durable, hmod, media
 
-from . import codegen, cost, frontend, importer, order_onnx, partition, passes, report
+from . import codegen, cost, frontend, importer, order_onnx, partition, passes, quantize, report
 from . import profile as profile_mod
 from . import targets as targets_mod
 from .errors import CompileError, InternalError
@@ -201,6 +201,8 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
         members["labels.txt"] = Path(opts.labels).read_bytes()
     manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, preprocess, golden, model,
                          postprocess)
+    with stage("golden"):   # a QDQ model: golden within quantization steps, not fp32's tolerance
+        manifest.update(quantize.manifest_entries(loaded) or {})
     staged = out_path.with_name(f".{out_path.name}.unchecked")
     try:
         say(f"writing {out_path.name}")

@@ -28,6 +28,7 @@ def summary(bundle: hmod.Bundle) -> dict:
     info["flops_share"] = (round(m["flops_delegated"] / m["flops_total"], 4)
                            if m.get("flops_total") and m.get("flops_delegated") is not None else None)
     info["policy"] = m.get("policy")
+    info["quantized"], info["tolerance"] = m.get("quantized"), m.get("tolerance")
     info["signed"] = bundle.signed
     return info
 
@@ -58,6 +59,9 @@ def print_summary(info: dict) -> None:
             f"(ratio {info['delegation_ratio']:.2f}) in {sum(p['delegate'] for p in info['partitions'])} subgraph(s); "
             f"predicted speedup {info['predicted_speedup']:.2f}x, policy {info['policy']}, "
             f"layout transposes: {info['layout_transposes']}")
+    if q := info.get("quantized"):   # an INT8 QDQ model (compiler/quantize.py)
+        c.print(f"INT8 ({q['format']}, {', '.join(f'{k} x{v}' for k, v in q['ops'].items())}): computed in "
+                f"{q['compute']} (atol {info['tolerance']['atol']:.3g})")
     t = Table(title="subgraphs")
     # the reasons are long sentences: beside the table only on a wide console, else listed below it
     wide = c.width >= 140

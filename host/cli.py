@@ -22,6 +22,8 @@ from tandoor_compiler.errors import CompileError
 from tandoor_contract import hmod, media, orders
 from tandoor_contract.errors import TandoorError
 
+from .quantize import accuracy_options, quantize, verify_on_images
+
 DEBUG = os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
 _native_log: Path | None = None     # where fd 2 goes while a command runs (without --debug)
 
@@ -251,10 +253,16 @@ def inspect(bundle, as_json, graph):
               show_default=True, help="Executor for the delegated subgraphs.")
 @click.option("--random", "n_random", default=3, show_default=True, help="Random inputs besides the golden ones.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@accuracy_options
 @debug_option
-def verify(bundle, reference, delegate, n_random, as_json):
-    """Run the bundle's host lib against MODEL.onnx in onnxruntime; exit 1 past tolerance."""
+def verify(bundle, reference, delegate, n_random, as_json, images, count, max_drop, min_sqnr):
+    """Run the bundle's host lib against MODEL.onnx in onnxruntime; exit 1 past tolerance.
+    With --images: against the fp32 MODEL.onnx on real images (top-1/top-5 agreement, SQNR)."""
     from .verify import verify as run_verify
+
+    if images is not None:
+        verify_on_images(bundle, reference, images, delegate=delegate, count=count, max_drop=max_drop,
+                         min_sqnr=min_sqnr, as_json=as_json)
 
     try:
         res = run_verify(bundle, reference, delegate=delegate, random_inputs=n_random)
@@ -386,6 +394,9 @@ def keygen(out):
     except hmod.BundleError as err:
         _fail(err)
     click.echo(f"wrote {priv} (private) and {pub} (public), fingerprint {fp}")
+
+
+main.add_command(quantize)   # the INT8 command lives beside: host/quantize.py
 
 
 

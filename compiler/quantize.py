@@ -1,0 +1,277 @@
+"""INT8 post-training quantization: an fp32 ONNX model + calibration inputs -> a QDQ INT8 model.
+
+onnxruntime.quantization does the work, as its docs advise for CNNs on CPUs: ``quant_pre_process``
+(symbolic shape inference, graph optimisation) first, then ``quantize_static`` in the QDQ format
+(QuantizeLinear/DequantizeLinear pairs around fp32 ops, which every runtime reads, ACL's and
+TVM's importers included). The model is loaded and normalised as ``tandoor compile`` loads it
+(frontend.load: pinned shapes, old opsets upgraded, ...), so the quantized file is what compile
+will import. The calibration inputs come from the caller (the host CLI preprocesses images the
+way the bundle will, host/calibration.py); this module never reads pixels.
+
+For an already-quantized QDQ model (the output here, or a PyTorch/NNCF/ModelOpt export),
+:func:`tolerance` is how far the compiled bundle may differ from onnxruntime's QDQ run, in
+quantization steps of each output (the scale of the DequantizeLinear that produces it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from tandoor_contract import durable
+
+from . import frontend
+from .errors import CompileError
+
+METHODS = ("minmax", "entropy", "percentile")
+ACTIVATIONS = ("int8", "uint8")
+MIN_SAMPLES = 10           # fewer gives ranges from a handful of frames; 100-500 is usual
+METADATA_KEY = "tandoor.quantize"   # in the output's metadata_props: how it was made (JSON)
+
+# ops that mean the model is quantized already (QDQ, QOperator or integer ops)
+QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv",
+                           "QLinearMatMul", "ConvInteger", "MatMulInteger", "QLinearAdd", "QLinearMul",
+                           "QLinearConcat", "QLinearAveragePool", "QLinearGlobalAveragePool",
+                           "QLinearSigmoid", "QLinearLeakyRelu", "QGemm"})
+
+# ops through which a tensor keeps its quantization step (values move or are dropped, never rescaled)
+_STEP_PRESERVING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity",
+                              "Concat", "Slice", "Split", "Gather", "MaxPool", "Relu", "Clip"})
+FP32_RTOL = 1e-3
+
+
+def quantized_nodes(model: onnx.ModelProto) -> dict[str, int]:
+    """{op type: count} of the quantization ops in ``model`` (empty: a float model)."""
+    out: dict[str, int] = {}
+    for n in model.graph.node:
+        if n.op_type in QUANTIZED_OPS:
+            out[n.op_type] = out.get(n.op_type, 0) + 1
+    return out
+
+
+def _calibrate_method(method: str):
+    from onnxruntime.quantization import CalibrationMethod
+
+    table = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+             "percentile": CalibrationMethod.Percentile}
+    if method not in table:
+        raise CompileError(f"unknown calibration method {method!r}; choose {', '.join(METHODS)}")
+    return table[method]
+
+
+class _Reader:
+    """onnxruntime's CalibrationDataReader over the caller's samples, counting them as the
+    calibrator consumes each (its progress is this progress: one inference per sample)."""
+
+    def __init__(self, names: list[str], samples: Iterable[list[np.ndarray]], total: int,
+                 progress: Callable[[int, int], None] | None) -> None:
+        self.names, self.total, self.progress = names, total, progress
+        self._it = iter(samples)
+        self.seen = 0
+
+    def get_next(self) -> dict | None:
+        if self.seen >= self.total:
+            return None
+        try:
+            arrays = next(self._it)
+        except StopIteration:
+            return None
+        self.seen += 1
+        if self.progress:
+            self.progress(self.seen, self.total)
+        return {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in zip(self.names, arrays)}
+
+    def __len__(self) -> int:
+        return self.total
+
+    def rewind(self) -> None:   # the calibrators call it between passes; ours is one pass
+        pass
+
+
+def quantize_model(model: str | Path, out: str | Path, *,
+                   calibration: Callable[[list[frontend.TensorSpec]], Iterable[list[np.ndarray]]], count: int,
+                   inputs: list[str] | tuple[str, ...] = (), method: str = "minmax", per_channel: bool = True,
+                   activations: str = "int8", metadata: dict | None = None,
+                   progress: Callable[[int, int], None] | None = None,
+                   say: Callable[[str], None] | None = None) -> dict:
+    """Quantize ``model`` (fp32 .onnx) to ``out`` (QDQ INT8 .onnx) and return what was done.
+
+    Args:
+        calibration: called with the loaded model's inputs, yields one list of arrays (one per
+            input, at the input's shape) per calibration sample.
+        count: how many samples to calibrate on (at least :data:`MIN_SAMPLES`).
+        inputs: ``NAME=1x3x224x224`` pins, as ``tandoor compile --input``.
+        method: minmax | entropy | percentile (onnxruntime's calibrators).
+        per_channel: per-output-channel weight scales (else one scale per weight tensor).
+        activations: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).
+        metadata: recorded beside the settings in the output's metadata_props (e.g. preprocessing),
+            read once calibration is done (``calibration`` may fill it in).
+        progress: ``progress(done, count)`` after each calibration sample.
+
+    Raises CompileError for a bad input (exit 2). Nothing is written at ``out`` unless it succeeded.
+    """
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    say = say or (lambda s: None)
+    out = Path(out)
+    if activations not in ACTIVATIONS:
+        raise CompileError(f"unknown --activations {activations!r}; choose {' or '.join(ACTIVATIONS)}")
+    calibrate_method = _calibrate_method(method)
+    if out.suffix != ".onnx":
+        raise CompileError(f"output {out} should end in .onnx")
+    if not out.parent.is_dir():
+        raise CompileError(f"output directory {out.parent} does not exist")
+    if count < MIN_SAMPLES:
+        raise CompileError(f"{count} calibration sample(s); quantization needs at least {MIN_SAMPLES} "
+                           "(100-500 frames like the deployment's are usual): give more images or --images N")
+    raw = frontend._read_model(Path(model))
+    already = quantized_nodes(raw)
+    if already:
+        ops = ", ".join(f"{n} {k}" for k, n in sorted(already.items()))
+        raise CompileError(f"{Path(model).name} is already quantized ({ops}); compile it as it is: "
+                           f"tandoor compile {Path(model).name} -o OUT.hmod")
+    say("loading and normalising the ONNX model")
+    loaded = frontend.load(model, list(inputs))
+    names = [i.name for i in loaded.inputs]
+    reader = _Reader(names, calibration(loaded.inputs), count, progress)
+    with tempfile.TemporaryDirectory(prefix="tandoor-quantize-") as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        say("onnxruntime quantization pre-processing (shape inference, graph optimisation)")
+        try:
+            quant_pre_process(loaded.proto, str(pre), skip_symbolic_shape=False)
+        except Exception:   # symbolic shape inference fails on some exports: the plain onnx one then
+            quant_pre_process(loaded.proto, str(pre), skip_symbolic_shape=True)
+        staged = Path(tmp) / "q.onnx"
+        say(f"calibrating on {count} sample(s) ({method}) and quantizing")
+        act = QuantType.QInt8 if activations == "int8" else QuantType.QUInt8
+        with contextlib.redirect_stdout(io.StringIO()):   # its calibrators print their steps
+            quantize_static(str(pre), str(staged), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
+                            activation_type=act, weight_type=QuantType.QInt8, calibrate_method=calibrate_method)
+        if reader.seen < count:
+            raise CompileError(f"the calibration source gave {reader.seen} sample(s), not the {count} asked for; "
+                               "give --images N at most the number of images (or frames) it has")
+        q = onnx.load(str(staged))
+    settings = {"method": method, "per_channel": per_channel, "activations": activations, "samples": reader.seen,
+                "source": loaded.path.name, "source_sha256": loaded.sha256, **(metadata or {})}
+    del q.metadata_props[:]
+    q.metadata_props.add(key=METADATA_KEY, value=json.dumps(settings, sort_keys=True))
+    data = q.SerializeToString()
+    durable.atomic_write(out, data)
+    return {**settings, "output": str(out), "bytes": len(data), "source_bytes": os.path.getsize(loaded.path),
+            "quantized": quantized_nodes(q), "nodes": len(q.graph.node)}
+
+
+def settings_of(model: onnx.ModelProto) -> dict | None:
+    """What :func:`quantize_model` recorded in the model (None for other models)."""
+    for p in model.metadata_props:
+        if p.key == METADATA_KEY:
+            try:
+                return json.loads(p.value)
+            except ValueError:
+                return None
+    return None
+
+
+# --- the compiled bundle's tolerance for a QDQ model ---------------------------------------------
+
+def output_steps(model: onnx.ModelProto) -> dict[str, float] | None:
+    """{output name: its quantization step} for a QDQ model, None for a float one. An output's
+    step is the scale of the DequantizeLinear that makes it, through ops that only move values
+    (Reshape, Concat, ...); an output computed in float after the last DequantizeLinear (e.g. a
+    Softmax) takes the largest step of the model's output-side dequantizes feeding it."""
+    if not quantized_nodes(model):
+        return None
+    inits = {i.name: i for i in model.graph.initializer}
+    consts = {n.output[0]: n.attribute[0].t for n in model.graph.node
+              if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    producer = {o: n for n in model.graph.node for o in n.output}
+
+    def scale_of(name: str) -> float | None:
+        t = inits.get(name) or consts.get(name)
+        return None if t is None else float(np.max(np.abs(numpy_helper.to_array(t))))
+
+    def step(name: str, seen: set) -> float | None:
+        n = producer.get(name)
+        if n is None or name in seen:
+            return None
+        seen.add(name)
+        if n.op_type == "DequantizeLinear":
+            return scale_of(n.input[1])
+        ins = n.input[:1] if n.op_type in _STEP_PRESERVING and n.op_type != "Concat" else n.input
+        found = [s for s in (step(i, seen) for i in ins if i) if s is not None]
+        return max(found) if found else None
+
+    out = {}
+    for o in model.graph.output:
+        s = step(o.name, set())
+        out[o.name] = s if s is not None else float("nan")
+    return out
+
+
+TOLERANCE_SAMPLES = 4     # random inputs (as the golden pairs') on which onnxruntime is run both ways
+
+
+def _session(model: onnx.ModelProto, fused: bool):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if fused
+                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def tolerance(loaded: frontend.LoadedModel) -> dict | None:
+    """The manifest's ``tolerance`` for a QDQ model, None for a float one (fp32's then).
+
+    One quantization step is what a single quantized op may differ by (a value on a step's edge
+    rounds either way); through a network's dozens of requantizations those flips add up, and
+    onnxruntime itself, running the same QDQ graph with its fused int8 kernels and as the plain
+    graph (dequantize, fp32 op, quantize), differs by several output steps (EfficientNet-Lite0: up
+    to 4). The bundle computes as the plain graph does, with its own summation order: it may be
+    that spread from the plain graph, which is that spread from the golden outputs (onnxruntime's
+    fused run). Per output ``step x (1 + 2 x spread)``, the spread measured in whole steps on
+    random inputs like the golden ones; ``atol`` is the largest. A wrong bundle (a wrong weight,
+    layout or op) misses by a large part of the output's range."""
+    steps = output_steps(loaded.proto)
+    if steps is None or not any(np.isfinite(v) for v in steps.values()):
+        return None
+    fused, plain = _session(loaded.proto, True), _session(loaded.proto, False)
+    rng = np.random.default_rng(20261213)
+    spread = dict.fromkeys(steps, 0.0)
+    for _ in range(TOLERANCE_SAMPLES):
+        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in loaded.inputs}
+        for name, a, b in zip(steps, fused.run(None, feeds), plain.run(None, feeds)):
+            if np.isfinite(steps[name]) and steps[name] > 0:
+                d = float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0)) / steps[name]
+                spread[name] = max(spread[name], float(np.ceil(d - 1e-3)))
+    per_output = {k: (steps[k] * (1 + 2 * spread[k]) if np.isfinite(steps[k]) else None) for k in steps}
+    return {"atol": float(max(v for v in per_output.values() if v is not None)), "rtol": FP32_RTOL,
+            "quantized": {"steps": {k: (float(v) if np.isfinite(v) else None) for k, v in steps.items()},
+                          "onnxruntime_spread_steps": spread}}
+
+
+COMPUTE_NOTE = ("float32 between each DequantizeLinear and QuantizeLinear (TVM and the orders' executors "
+                "compute the dequantized values; no int8 kernels yet), within the recorded tolerance")
+
+
+def manifest_entries(loaded: frontend.LoadedModel) -> dict | None:
+    """For a QDQ model, the manifest's ``tolerance`` (:func:`tolerance`) and ``quantized``: the
+    quantization ops, how the bundle computes them, and how the model was quantized when
+    `tandoor quantize` made it. None for a float model."""
+    tol = tolerance(loaded)
+    if tol is None:
+        return None
+    return {"tolerance": tol,
+            "quantized": {"format": "QDQ", "ops": quantized_nodes(loaded.proto), "compute": COMPUTE_NOTE,
+                          "steps": tol["quantized"]["steps"], "by": settings_of(loaded.proto)}}

@@ -1,0 +1,118 @@
+"""`tandoor verify INT8.hmod --reference FP32.onnx --images DIR`: how far a quantized bundle's
+answers are from the fp32 model's on real images (not how close it is to its own source: that
+is plain `verify`).
+
+Each image is preprocessed as the device preprocesses a frame (the bundle's manifest), run
+through the bundle's host lib and through the fp32 model in onnxruntime. Per output: the SQNR
+(10 log10 of signal power over error power, summed over the images, as onnxruntime's
+qdq_loss_debug computes it) and the cosine similarity (mean, worst image). For a classifier
+output, one (1, N) row of scores: top-1 agreement (the same argmax) and top-5 agreement (the
+fp32 top-1 among the bundle's top 5). ``ok`` when 1 - top1_agreement <= max_drop (the accuracy a
+user can lose without labels to measure it) and every output's SQNR >= min_sqnr_db when given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tandoor_contract import hmod
+
+from . import calibration as calib
+
+DEFAULT_MAX_DROP = 0.05
+
+
+def _is_classifier(shape, manifest: dict) -> bool:
+    decoder = (manifest.get("postprocess") or {}).get("decoder")
+    dims = [d for d in shape if d != 1]
+    return decoder in (None, "classifier") and len(dims) == 1 and dims[0] >= 2
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na == 0.0 or nb == 0.0:
+        return 1.0 if na == nb else 0.0
+    return float(np.dot(a, b) / (na * nb))
+
+
+def sqnr_db(signal_power: float, noise_power: float) -> float:
+    if noise_power == 0.0:
+        return float("inf")
+    return float(10.0 * np.log10(max(signal_power, 1e-30) / noise_power))
+
+
+def compare_on_images(bundle_path: str | Path, reference: str | Path, images: str | Path, *,
+                      count: int | None = None, delegate: str = "onnxruntime", max_drop: float = DEFAULT_MAX_DROP,
+                      min_sqnr_db: float | None = None, trusted_keys=()) -> dict:
+    """The bundle against the fp32 ``reference`` on the images of ``images`` (a directory or a
+    video; ``count`` of them spread evenly, default all). Returns the report (module doc)."""
+    import onnxruntime as ort
+
+    from tandoor_agent.run.runtime import HybridModule
+    from tandoor_compiler import frontend
+    from tandoor_compiler.errors import CompileError
+
+    src = calib.open_source(images, "--images")
+    with hmod.open_bundle(bundle_path, trusted_keys=trusted_keys) as bundle:
+        m = bundle.manifest
+        if len(m["inputs"]) != 1:
+            raise CompileError(f"the model has {len(m['inputs'])} inputs; --images feeds one image input")
+        spec = m["inputs"][0]
+        pins = [f"{spec['name']}=" + "x".join(str(d) for d in spec["shape"])]
+        ref = frontend.load(reference, pins)
+        theirs, ours = [o.shape for o in ref.outputs], [o["shape"] for o in m["outputs"]]
+        if theirs != ours:
+            raise CompileError(f"--reference {Path(reference).name} has output(s) of shape {theirs}, the bundle "
+                               f"{ours}: give the fp32 model this bundle was quantized from")
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(ref.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        module = HybridModule(bundle, delegate=delegate)
+        outs = m["outputs"]
+        classifier = [_is_classifier(o["shape"], m) for o in outs]
+        signal = [0.0] * len(outs)
+        noise = [0.0] * len(outs)
+        cos: list[list[float]] = [[] for _ in outs]
+        top1 = [0] * len(outs)
+        top5 = [0] * len(outs)
+        n = 0
+        try:
+            for x in calib.tensors(src, calib.pick(src.size, count), spec, m.get("preprocess")):
+                got = module.run([x])
+                want = sess.run(None, {ref.inputs[0].name: x})
+                for j, (g, w) in enumerate(zip(got, want)):
+                    g = np.asarray(g, np.float64).reshape(-1)
+                    w = np.asarray(w, np.float64).reshape(-1)
+                    signal[j] += float(np.sum(w * w))
+                    noise[j] += float(np.sum((g - w) ** 2))
+                    cos[j].append(_cosine(g, w))
+                    if classifier[j]:
+                        best = int(np.argmax(w))
+                        top1[j] += int(np.argmax(g)) == best
+                        top5[j] += best in np.argsort(-g, kind="stable")[:5]
+                n += 1
+        finally:
+            module.close()
+    per_output = []
+    for j, o in enumerate(outs):
+        row = {"name": o["name"], "sqnr_db": round(sqnr_db(signal[j], noise[j]), 2),
+               "cosine_mean": round(float(np.mean(cos[j])), 6), "cosine_min": round(float(np.min(cos[j])), 6)}
+        if classifier[j]:
+            row.update(top1_agreement=top1[j] / n, top5_agreement=top5[j] / n)
+        per_output.append(row)
+    cls = [r for r in per_output if "top1_agreement" in r]
+    top1_agreement = min((r["top1_agreement"] for r in cls), default=None)
+    top5_agreement = min((r["top5_agreement"] for r in cls), default=None)
+    failures = []
+    if top1_agreement is not None and 1.0 - top1_agreement > max_drop + 1e-12:
+        failures.append(f"top-1 agreement {top1_agreement:.1%} is a drop of {1 - top1_agreement:.1%}, "
+                        f"past --max-drop {max_drop:.1%}")
+    if min_sqnr_db is not None:
+        failures += [f"output {r['name']}: SQNR {r['sqnr_db']:.1f} dB < --min-sqnr {min_sqnr_db:g} dB"
+                     for r in per_output if r["sqnr_db"] < min_sqnr_db]
+    return {"images": n, "source": src.describe(), "delegate": delegate, "top1_agreement": top1_agreement,
+            "top5_agreement": top5_agreement, "sqnr_db": {r["name"]: r["sqnr_db"] for r in per_output},
+            "outputs": per_output, "max_drop": max_drop, "min_sqnr_db": min_sqnr_db, "ok": not failures,
+            "failures": failures, "quantized": bool(m.get("quantized"))}

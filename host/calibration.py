@@ -1,0 +1,117 @@
+"""Calibration and evaluation images: a directory of images or a video file -> the model's input
+tensors, preprocessed exactly as the bundle's device will preprocess camera frames (the agent's
+own :class:`Preprocessor`, from the manifest's ``preprocess`` entry as ``tandoor compile`` makes it
+from --mean/--std/--resize/...).
+
+A directory gives its images in name order; a video gives ``count`` frames spread evenly over it
+(calibration wants the whole scene, not its first second).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tandoor_compiler.errors import CompileError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v", ".mpg", ".mpeg")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the images come from: the image files of a directory, or frames of a video."""
+    path: Path
+    files: tuple[Path, ...] = ()       # a directory's images
+    frames: int = 0                    # a video's frame count
+
+    @property
+    def is_video(self) -> bool:
+        return not self.files
+
+    @property
+    def size(self) -> int:
+        return self.frames if self.is_video else len(self.files)
+
+    def describe(self) -> str:
+        return f"{self.path.name} ({self.frames} frames)" if self.is_video else f"{self.path} ({len(self.files)} images)"
+
+
+def open_source(path: str | Path, what: str = "--calibration") -> Source:
+    """A directory of images or a video file; CompileError naming the problem otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        files = tuple(sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES))
+        if not files:
+            raise CompileError(f"{what} {p}: no images in the directory (looked for "
+                               f"{', '.join(IMAGE_SUFFIXES)}); give a directory of images or a video file")
+        return Source(p, files=files)
+    if not p.exists():
+        raise CompileError(f"{what} {p}: no such file or directory; give a directory of images or a video file")
+    if p.suffix.lower() not in VIDEO_SUFFIXES:
+        raise CompileError(f"{what} {p}: not a directory of images or a video ({', '.join(VIDEO_SUFFIXES)})")
+    import cv2
+
+    cap = cv2.VideoCapture(str(p))
+    try:
+        n = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) if cap.isOpened() else 0
+        ok = cap.isOpened() and cap.read()[0]
+    finally:
+        cap.release()
+    if not ok or n <= 0:
+        raise CompileError(f"{what} {p}: OpenCV cannot decode this video; give another video or a directory of images")
+    return Source(p, frames=n)
+
+
+def pick(size: int, count: int | None) -> list[int]:
+    """Indices of ``count`` items (all when None) spread evenly over ``size``."""
+    n = size if count is None else min(count, size)
+    if n <= 0:
+        return []
+    idx = np.linspace(0, size - 1, n).round().astype(int).tolist()
+    return sorted(set(idx))
+
+
+def rgb_frames(src: Source, indices: list[int]) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, HxWx3 uint8 RGB) for the chosen images or frames, decoded one at a time."""
+    if not src.is_video:
+        from tandoor_agent.serve.preprocess import load_image
+
+        for i in indices:
+            f = src.files[i]
+            try:
+                yield f.name, load_image(f)
+            except Exception as err:
+                raise CompileError(f"image {f}: cannot read it ({type(err).__name__}: {err}); remove it or "
+                                   "convert it to JPEG/PNG") from None
+        return
+    import cv2
+
+    cap = cv2.VideoCapture(str(src.path))
+    try:
+        want, pos = set(indices), 0
+        while want:
+            ok, bgr = cap.read()
+            if not ok:
+                break
+            if pos in want:
+                want.discard(pos)
+                yield f"{src.path.name}#{pos}", cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+            pos += 1
+    finally:
+        cap.release()
+
+
+def tensors(src: Source, indices: list[int], spec: dict, preprocess: dict | None) -> Iterator[np.ndarray]:
+    """The model input for each chosen image, as the device makes it from a frame."""
+    from tandoor_agent.serve.preprocess import Preprocessor
+
+    try:
+        pre = Preprocessor(spec, preprocess)
+    except ValueError as err:
+        raise CompileError(f"the model's input cannot take images: {err}") from None
+    for _, rgb in rgb_frames(src, indices):
+        yield pre(rgb)

@@ -1,0 +1,163 @@
+"""`tandoor quantize`: an fp32 model + real images -> a QDQ INT8 model (compiler/quantize.py), the
+images preprocessed as the bundle will preprocess the camera's frames (host/calibration.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from tandoor_contract import media
+
+# The options that say how a frame becomes the input: the same names, choices and meaning as
+# `tandoor compile`'s, so that one set of flags describes the model to both commands.
+PREPROCESS_OPTIONS = (
+    click.option("--mean", help="Per-channel mean, as tandoor compile --mean (0..1 or pixel units)."),
+    click.option("--std", help="Per-channel std, same units as --mean."),
+    click.option("--layout", type=click.Choice(["NCHW", "NHWC"]), default="NCHW", show_default=True,
+                 help="Input image layout."),
+    click.option("--bgr", is_flag=True, help="The model expects BGR channel order."),
+    click.option("--resize", type=click.Choice(media.RESIZE_MODES), default="stretch", show_default=True,
+                 help="stretch to the input, or letterbox (keep the aspect ratio, pad)."),
+    click.option("--letterbox-align", type=click.Choice(media.ALIGNS), default="center", show_default=True,
+                 help="Where the letterboxed image sits."),
+    click.option("--pad-value", type=click.IntRange(0, 255), default=114, show_default=True,
+                 help="Letterbox padding grey level."),
+    click.option("--pixel-range", type=click.Choice(["0-1", "0-255"]),
+                 help="Pixels before --mean/--std: 0-1 or raw 0-255 (default: from the units of --mean/--std)."),
+)
+
+
+def preprocess_options(f):
+    for opt in reversed(PREPROCESS_OPTIONS):
+        f = opt(f)
+    return f
+
+
+def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range) -> dict | None:
+    """The manifest's ``preprocess`` that `tandoor compile` would record for these flags."""
+    from tandoor_compiler import pipeline
+
+    from .cli import _floats
+
+    opts = pipeline.Options(mean=_floats(mean, "--mean"), std=_floats(std, "--std"), layout=layout, bgr=bgr,
+                            resize=resize, letterbox_align=letterbox_align, pad_value=pad_value,
+                            pixel_range=pixel_range)
+    return pipeline._preprocess(opts, inputs)
+
+
+@click.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="INT8 model to write (.onnx, QDQ format). Written atomically.")
+@click.option("--calibration", required=True, type=click.Path(path_type=Path),
+              help="A directory of images or a video file like the deployment's camera sees.")
+@click.option("--images", "count", type=click.IntRange(1), default=None,
+              help="Calibrate on N images (or frames, spread over the video). Default: all the directory's "
+                   "images, 300 frames of a video.")
+@click.option("--method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
+              show_default=True, help="How activation ranges come from the calibration data (onnxruntime's calibrators).")
+@click.option("--per-channel/--per-tensor", default=True, show_default=True,
+              help="One weight scale per output channel (accurate for depthwise convs) or per weight tensor.")
+@click.option("--activations", type=click.Choice(["int8", "uint8"]), default="int8", show_default=True,
+              help="Activation type: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).")
+@click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224",
+              help="Pin an input's shape (repeatable), as tandoor compile --input.")
+@preprocess_options
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+@click.option("--debug", is_flag=True, hidden=True)
+def quantize(model, out, calibration, count, method, per_channel, activations, inputs, mean, std, layout, bgr,
+             resize, letterbox_align, pad_value, pixel_range, quiet, debug):
+    """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
+    with the same --mean/--std/--resize flags."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from tandoor_compiler.errors import CompileError
+    from tandoor_compiler.quantize import quantize_model
+
+    from . import calibration as calib
+
+    console = Console(stderr=True, quiet=quiet, log_path=False)
+    src = calib.open_source(calibration)
+    n = count if count is not None else (DEFAULT_VIDEO_FRAMES if src.is_video else src.size)
+    if n > src.size:
+        raise CompileError(f"--images {n}: {src.describe()} has only {src.size}; give --images {src.size} or "
+                           "more images")
+    flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
+                 pad_value=pad_value, pixel_range=pixel_range)
+    chosen: dict = {"calibration": src.describe()}     # recorded in the model; preprocess once it is known
+
+    def samples(model_inputs):
+        if len(model_inputs) != 1:
+            raise CompileError(f"the model has {len(model_inputs)} inputs; calibration from images feeds "
+                               "one image input")
+        chosen["preprocess"] = preprocess_entry(model_inputs, **flags)
+        spec = {**model_inputs[0].as_dict(), "layout": layout}
+        return ([x] for x in calib.tensors(src, calib.pick(src.size, n), spec, chosen["preprocess"]))
+
+    with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("calibrating", total=n)
+        res = quantize_model(model, out, calibration=samples, count=n, inputs=inputs, method=method,
+                             per_channel=per_channel, activations=activations,
+                             metadata=chosen,
+                             progress=lambda done, total: bar.update(task, completed=done),
+                             say=lambda m: console.log(m))
+    q = res["quantized"]
+    console.print(f"[green]wrote[/] {out}: {q.get('QuantizeLinear', 0)} QuantizeLinear / "
+                  f"{q.get('DequantizeLinear', 0)} DequantizeLinear, calibrated on {res['samples']} image(s) from "
+                  f"{src.describe()} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
+                  f"{activations} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
+    given = {k: v for k, v in flags.items() if v not in (None, False, DEFAULTS.get(k))}
+    console.print(f"next: tandoor compile {out} -o {Path(out).with_suffix('.hmod')}"
+                  + "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items()))
+    sys.stdout.flush()
+
+
+DEFAULT_VIDEO_FRAMES = 300
+DEFAULTS = {o.name: o.default for o in (opt(lambda: None).__click_params__[0] for opt in PREPROCESS_OPTIONS)}
+
+
+# --- `tandoor verify --images`: the INT8 bundle against the fp32 model on real images -------------
+
+def accuracy_options(f):
+    from .accuracy import DEFAULT_MAX_DROP
+
+    f = click.option("--min-sqnr", type=float, default=None, metavar="DB",
+                     help="With --images: fail when an output's SQNR against the fp32 model is below DB.")(f)
+    f = click.option("--max-drop", type=click.FloatRange(0, 1), default=DEFAULT_MAX_DROP, show_default=True,
+                     help="With --images: fail when top-1 agreement with the fp32 model drops by more (0.05 = 5%).")(f)
+    f = click.option("--count", type=click.IntRange(1), default=None,
+                     help="With --images: use N images (or video frames, spread), default all.")(f)
+    return click.option("--images", type=click.Path(path_type=Path), default=None,
+                        help="A directory of images or a video: compare with --reference, the fp32 model, on them "
+                             "(use images calibration did not see).")(f)
+
+
+def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, min_sqnr, as_json) -> None:
+    """Print the report of host/accuracy.py and exit 0 when ok, 1 when not."""
+    import json
+
+    from rich.console import Console
+
+    from .accuracy import compare_on_images
+
+    console = Console(stderr=True, log_path=False)
+    with console.status(f"running {Path(bundle).name} and {Path(reference).name} on the images"):
+        res = compare_on_images(bundle, reference, images, count=count, delegate=delegate, max_drop=max_drop,
+                                min_sqnr_db=min_sqnr)
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+    else:
+        for o in res["outputs"]:
+            agree = (f", top-1 agreement {o['top1_agreement']:.1%}, top-5 {o['top5_agreement']:.1%}"
+                     if "top1_agreement" in o else "")
+            click.echo(f"  {o['name']}: SQNR {o['sqnr_db']:.1f} dB, cosine mean {o['cosine_mean']:.4f} "
+                       f"(worst {o['cosine_min']:.4f}){agree}")
+        for f in res["failures"]:
+            click.echo(f"  FAIL {f}")
+        click.echo(f"{'PASS' if res['ok'] else 'FAIL'}: {res['images']} image(s) from {res['source']}, "
+                   f"{res['delegate']} executors")
+    sys.exit(0 if res["ok"] else 1)

