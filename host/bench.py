@@ -90,8 +90,7 @@ def memory_plan(mod, target_dict: dict) -> dict:
     t = tvm.target.Target(target_dict)
     with t:
         lowered = tvm.transform.Sequential(
-            [relax.transform.ConvertLayout({"relax.nn.conv2d": schedule.TVM_CONV_LAYOUT}), relax.transform.FoldConstant()]
-            + cpu.library_dispatch_passes(t) + cpu.legalize_passes(t) + cpu.dataflow_lower_passes(t))(mod)
+            schedule.prepare_passes() + cpu.library_dispatch_passes(t) + cpu.legalize_passes(t) + cpu.dataflow_lower_passes(t))(mod)
         planned = relax.transform.StaticPlanBlockMemory()(lowered)
 
     def count(func) -> dict:
