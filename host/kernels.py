@@ -170,12 +170,12 @@ def tvm_kernels(model, inputs, runs: int, warmup: int, progress=lambda s: None) 
     out = []
     for k in names:
         totals = [sum(r.get(k, [])) for r in per_run]
-        us = statistics.median(totals) / 1e3
+        us, best = statistics.median(totals) / 1e3, min(totals) / 1e3
         meta = info.get(k) or {"pattern": "runtime (VM)" if k.startswith("vm.") else "other", "shape": "",
                                "flops": 0.0, "rule": ""}
         calls = round(statistics.median(len(r.get(k, [])) for r in per_run))
-        row = {"name": k, "calls": calls, "us": round(us, 2), **meta,
-               "gflops": round(meta["flops"] * calls / (us * 1e3), 1) if meta["flops"] and us > 0 else None}
+        row = {"name": k, "calls": calls, "us": round(us, 2), "min_us": round(best, 2), **meta,
+               "gflops": round(meta["flops"] * calls / (best * 1e3), 1) if meta["flops"] and best > 0 else None}
         out.append(row)
     return sorted(out, key=lambda r: -r["us"])
 
@@ -229,7 +229,7 @@ def ort_nodes(model, inputs, runs: int, warmup: int, threads: int, spinning: boo
     out = []
     for name, ds in durs.items():
         timed = ds[warmup:] if len(ds) > warmup else ds
-        out.append({"name": name, "us": float(statistics.median(timed)), **meta[name]})
+        out.append({"name": name, "us": float(statistics.median(timed)), "min_us": float(min(timed)), **meta[name]})
     return sorted(out, key=lambda r: -r["us"])
 
 
@@ -237,17 +237,18 @@ def ort_nodes(model, inputs, runs: int, warmup: int, threads: int, spinning: boo
 
 def groups(tvm_rows: list[dict], ort_rows: list[dict]) -> list[dict]:
     """Per pattern: TVM kernels and time, onnxruntime nodes and time, biggest first."""
-    acc: dict[str, dict] = defaultdict(lambda: {"tvm_us": 0.0, "tvm_n": 0, "ort_us": 0.0, "ort_n": 0})
-    for r in tvm_rows:
-        g = acc[r["pattern"]]
-        g["tvm_us"] += r["us"]
-        g["tvm_n"] += r["calls"]
-    for r in ort_rows:
-        g = acc[r["pattern"]]
-        g["ort_us"] += r["us"]
-        g["ort_n"] += 1
+    acc: dict[str, dict] = defaultdict(lambda: {"tvm_us": 0.0, "tvm_min_us": 0.0, "tvm_n": 0,
+                                                "ort_us": 0.0, "ort_min_us": 0.0, "ort_n": 0})
+    for side, rows in (("tvm", tvm_rows), ("ort", ort_rows)):
+        for r in rows:
+            g = acc[r["pattern"]]
+            g[f"{side}_us"] += r["us"]
+            g[f"{side}_min_us"] += r["min_us"]
+            g[f"{side}_n"] += r.get("calls", 1)
     rows = [{"pattern": k, **{f: round(v, 1) if isinstance(v, float) else v for f, v in g.items()},
-             "ratio": round(g["tvm_us"] / g["ort_us"], 2) if g["ort_us"] > 0 else None} for k, g in acc.items()]
+             "ratio": round(g["tvm_us"] / g["ort_us"], 2) if g["ort_us"] > 0 else None,
+             "ratio_min": round(g["tvm_min_us"] / g["ort_min_us"], 2) if g["ort_min_us"] > 0 else None}
+            for k, g in acc.items()]
     return sorted(rows, key=lambda r: -max(r["tvm_us"], r["ort_us"]))
 
 
@@ -257,6 +258,8 @@ def measure(model, inputs, runs: int, warmup: int, threads: int, ort_spinning: b
     o = ort_nodes(model, inputs, runs, warmup, threads, ort_spinning)
     return {"threads": threads, "runs": runs, "onnxruntime_config": "default" if ort_spinning else "no spinning",
             "tvm_total_us": round(sum(r["us"] for r in t), 1), "onnxruntime_total_us": round(sum(r["us"] for r in o), 1),
+            "tvm_total_min_us": round(sum(r["min_us"] for r in t), 1),
+            "onnxruntime_total_min_us": round(sum(r["min_us"] for r in o), 1),
             "groups": groups(t, o), "tvm": t, "onnxruntime": o}
 
 
@@ -265,27 +268,33 @@ def print_tables(k: dict, console=None, top: int = 15) -> None:
     from rich.table import Table
 
     c = console or Console()
-    t = Table(title=f"kernels by pattern: sum of per-kernel medians over {k['runs']} runs, {k['threads']} thread(s); "
-                    f"onnxruntime {k['onnxruntime_config']}")
+    t = Table(title=f"kernels by pattern over {k['runs']} runs, {k['threads']} thread(s), onnxruntime "
+                    f"{k['onnxruntime_config']}: sums of per-kernel medians (and of per-kernel bests)")
     for col in ("pattern", "TVM kernels", "TVM ms", "ort nodes", "ort ms", "TVM / ort"):
         t.add_column(col, justify="left" if col == "pattern" else "right")
+    x = lambda r: f"{r:.2f}x" if r is not None else "-"  # noqa: E731
     for g in k["groups"]:
-        t.add_row(g["pattern"], str(g["tvm_n"]), f"{g['tvm_us'] / 1e3:.3f}", str(g["ort_n"]), f"{g['ort_us'] / 1e3:.3f}",
-                  f"{g['ratio']:.2f}x" if g["ratio"] is not None else "-")
-    ratio = k["tvm_total_us"] / k["onnxruntime_total_us"] if k["onnxruntime_total_us"] else 0.0
-    t.add_row("total", str(sum(g["tvm_n"] for g in k["groups"])), f"{k['tvm_total_us'] / 1e3:.3f}",
-              str(sum(g["ort_n"] for g in k["groups"])), f"{k['onnxruntime_total_us'] / 1e3:.3f}", f"{ratio:.2f}x")
+        t.add_row(g["pattern"], str(g["tvm_n"]), f"{g['tvm_us'] / 1e3:.3f} ({g['tvm_min_us'] / 1e3:.3f})",
+                  str(g["ort_n"]), f"{g['ort_us'] / 1e3:.3f} ({g['ort_min_us'] / 1e3:.3f})",
+                  f"{x(g['ratio'])} ({x(g['ratio_min'])})")
+    tot = lambda a, b: a / b if b else None  # noqa: E731
+    t.add_row("total", str(sum(g["tvm_n"] for g in k["groups"])),
+              f"{k['tvm_total_us'] / 1e3:.3f} ({k['tvm_total_min_us'] / 1e3:.3f})",
+              str(sum(g["ort_n"] for g in k["groups"])),
+              f"{k['onnxruntime_total_us'] / 1e3:.3f} ({k['onnxruntime_total_min_us'] / 1e3:.3f})",
+              f"{x(tot(k['tvm_total_us'], k['onnxruntime_total_us']))} "
+              f"({x(tot(k['tvm_total_min_us'], k['onnxruntime_total_min_us']))})")
     c.print(t)
     tk = Table(title=f"TVM's {top} slowest kernels (epilogues fused in)")
-    for col in ("kernel", "pattern", "shape", "rule", "calls", "us", "GFLOP/s"):
-        tk.add_column(col, justify="right" if col in ("calls", "us", "GFLOP/s") else "left")
+    for col in ("kernel", "pattern", "shape", "rule", "calls", "us", "best us", "GFLOP/s"):
+        tk.add_column(col, justify="right" if col in ("calls", "us", "best us", "GFLOP/s") else "left")
     for r in k["tvm"][:top]:
         tk.add_row(r["name"][:48], r["pattern"], r["shape"], r["rule"], str(r["calls"]), f"{r['us']:.1f}",
-                   f"{r['gflops']:.1f}" if r["gflops"] else "")
+                   f"{r['min_us']:.1f}", f"{r['gflops']:.1f}" if r["gflops"] else "")
     c.print(tk)
     to = Table(title=f"onnxruntime's {top} slowest nodes")
-    for col in ("node", "op", "pattern", "shape", "us"):
-        to.add_column(col, justify="right" if col == "us" else "left")
+    for col in ("node", "op", "pattern", "shape", "us", "best us"):
+        to.add_column(col, justify="right" if col in ("us", "best us") else "left")
     for r in k["onnxruntime"][:top]:
-        to.add_row(r["name"][:48], r["op"], r["pattern"], r["shape"], f"{r['us']:.1f}")
+        to.add_row(r["name"][:48], r["op"], r["pattern"], r["shape"], f"{r['us']:.1f}", f"{r['min_us']:.1f}")
     c.print(to)
