@@ -125,6 +125,15 @@ def shuffle_grouped(g: Graph) -> str:  # ShuffleNet: grouped 1x1, channel shuffl
     return g.conv(x, 32, 32, 3, g=8)
 
 
+def deconv(g: Graph) -> str:        # DBNet / CenterFace upsamplers: ConvTranspose 2x2 stride 2 (a 1x1
+    x = g.op("Relu", [g.conv("x", 16, 24)])   # conv + pixel shuffle on the TVM side), and a 4x4 one
+    up = g.op("ConvTranspose", [x, g.const(_w(24, 8, 2, 2), "w"), g.const(_w(8), "b")],
+              kernel_shape=[2, 2], strides=[2, 2])
+    up = g.op("Relu", [up])
+    return g.op("ConvTranspose", [up, g.const(_w(8, 4, 4, 4), "w")], kernel_shape=[4, 4], strides=[2, 2],
+                pads=[1, 1, 1, 1])
+
+
 def stem(g: Graph) -> str:          # 3-channel input, stride 2, odd size
     return g.op("Relu", [g.conv("x", 3, 24, 3, 2)])
 
@@ -138,6 +147,7 @@ CASES = [
     ("resize_concat", resize_concat, [1, 16, 26, 26], {"conv 1x1", "conv 3x3 s2", "conv 3x3"}),
     ("shuffle_grouped", shuffle_grouped, [1, 16, 19, 25], {"grouped 1x1 g4", "grouped 3x3 g8"}),
     ("stem", stem, [1, 3, 65, 65], {"conv 3x3 s2"}),
+    ("deconv", deconv, [1, 16, 20, 20], {"conv 1x1"}),
 ]
 
 
@@ -170,6 +180,8 @@ def test_pattern_matches_onnxruntime_and_is_scheduled(name, build, shape, conv_p
         assert rules.get(p) == {"ConvNHWC"}, f"{name}: {p} scheduled by {rules.get(p)} (all: {rules})"
     # nothing of these models is left to TVM's unscheduled loops
     assert all("none" not in r for r in rules.values()), rules
+    if name == "deconv":    # the 2x2 stride-2 one became a 1x1 conv; the overlapping 4x4 one stays
+        assert len([f for f in seen if f.startswith("conv2d_transpose")]) == 1, sorted(seen)
 
 
 @pytest.mark.parametrize("width,channels", [(w, c) for w in (1, 7, 13, 14, 19, 20, 25, 28, 40, 52, 56, 112, 160)
