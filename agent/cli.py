@@ -16,7 +16,13 @@ Exit codes (one line on stderr for every failure, "tandoor-agent: error: <reason
 
 from __future__ import annotations
 
-import json
+# `tandoor-agent` is an agent process: TVM's runtime library only, no torch (agent/run/lean.py),
+# decided before anything below can import tvm.
+from .run import lean
+
+lean.runtime_only()
+
+import json  # noqa: E402
 import logging
 import sys
 import time
@@ -62,29 +68,55 @@ def main(ctx: click.Context, verbose: bool, config_path: Path | None) -> None:
     service.main_callback(ctx, config_path)
 
 
-def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
+def _read_input(path: Path, spec: dict, preprocess_cfg: dict | None, what: str) -> np.ndarray:
     from .serve import preprocess
 
+    if not path.is_file():
+        raise UsageError_(f"{what} {path}: no such file")
+    try:
+        if path.suffix == ".npy":
+            return np.load(path, allow_pickle=False)
+        return preprocess.to_input(preprocess.load_image(path), spec, preprocess_cfg)
+    except Exception as err:
+        raise UsageError_(f"{what} {path}: cannot read it ({_one_line(err)})") from None
+
+
+def _load_inputs(b: hmod.Bundle, given: tuple[str, ...]) -> list[np.ndarray]:
+    """The model's inputs, in the manifest's order, from the --input options: none (the bundle's
+    first golden input), one FILE for a one-input model, or NAME=FILE for each input."""
     m = b.manifest
-    if input_path is None:
+    specs = m["inputs"]
+    names = [s["name"] for s in specs]
+    if not given:
         golden = b.golden()
         if not golden:
-            raise UsageError_("the bundle has no golden input; pass --input FILE.npy or an image")
+            raise UsageError_("the bundle has no golden input; pass --input FILE.npy or an image"
+                              + ("" if len(specs) == 1 else " for each input as --input NAME=FILE"))
         return golden[0][0]
-    if not input_path.is_file():
-        raise UsageError_(f"--input {input_path}: no such file")
-    try:
-        if input_path.suffix == ".npy":
-            return [np.load(input_path, allow_pickle=False)]
-        return [preprocess.to_input(preprocess.load_image(input_path), m["inputs"][0], m.get("preprocess"))]
-    except Exception as err:
-        raise UsageError_(f"--input {input_path}: cannot read it ({_one_line(err)})") from None
+    by_name: dict[str, Path] = {}
+    for g in given:
+        name, sep, file = g.partition("=")
+        if not sep or (name not in names and Path(g).is_file()):  # a bare FILE (its name may hold a '=')
+            if len(specs) != 1 or len(given) != 1:
+                raise UsageError_(f"--input {g}: the model takes {len(specs)} input(s) ({', '.join(names)}); "
+                                  "give each as --input NAME=FILE")
+            name, file = names[0], g
+        if name not in names:
+            raise UsageError_(f"--input {g}: the model has no input {name!r} (its inputs: {', '.join(names)})")
+        if name in by_name:
+            raise UsageError_(f"--input {name}= given twice")
+        by_name[name] = Path(file)
+    if missing := [n for n in names if n not in by_name]:
+        raise UsageError_(f"no --input for {', '.join(missing)}: the model takes {len(specs)} inputs "
+                          f"({', '.join(names)}); give each as --input NAME=FILE")
+    return [_read_input(by_name[s["name"]], s, m.get("preprocess"), f"--input {s['name']}=") for s in specs]
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--input", "input_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="An image (PNG/JPEG) or a .npy array. Default: the bundle's first golden input.")
+@click.option("--input", "input_specs", multiple=True, metavar="[NAME=]FILE",
+              help="An image (PNG/JPEG) or a .npy array; NAME=FILE for one input of a multi-input model "
+                   "(repeat it for each). Default: the bundle's first golden input.")
 @click.option("--delegate", type=click.Choice(executors.CHOICES), default="auto", show_default=True,
               help="Executor tried first for delegated subgraphs (auto: armnn > onnxruntime > tvm); "
                    "one that cannot build a subgraph falls back to the next, with the reason logged.")
@@ -95,11 +127,17 @@ def _load_inputs(b: hmod.Bundle, input_path: Path | None) -> list[np.ndarray]:
 @click.option("--top", default=5, show_default=True, type=click.IntRange(1), help="Top-k to print for classifiers.")
 @click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write the last run's outputs as DIR/output_<j>.npy.")
+@click.option("--draw", "draw_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the --input image with the result drawn on it (boxes, labels, scores) to this .jpg/.png.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, as_json):
-    """One-shot inference: top outputs, which executor ran each subgraph, latency."""
+def run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, draw_path, as_json):
+    """One-shot inference: the decoded result, which executor ran each subgraph, latency."""
     try:
-        result = _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir)
+        image_path = _image_path(input_specs)
+        _check_draw(draw_path, image_path)
+        result = _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, image_path)
+        if draw_path is not None:
+            _draw(result, image_path, draw_path)
     except Exception as err:
         _fail(err)
     if as_json:
@@ -119,9 +157,77 @@ def run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir, as_
                    + (f" [fallback: {s['fallback_reason']}]" if s.get("fallback_reason") else ""))
     lat = result["latency_ms"]
     click.echo(f"latency: median {lat['median']:.2f} ms, p95 {lat['p95']:.2f} ms over {lat['runs']} run(s)")
+    _echo_result(result["result"])
+    if draw_path is not None:
+        click.echo(f"drawn: {draw_path}")
 
 
-def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) -> dict:
+# --- the result side: what the service would publish for this input, and the drawing ----------------
+
+def _source_image(input_path: Path | None) -> np.ndarray | None:
+    """The RGB image the input tensor was made of (None for .npy and golden inputs)."""
+    from .serve import preprocess
+
+    if input_path is None or input_path.suffix == ".npy" or not input_path.is_file():
+        return None
+    return preprocess.load_image(input_path)
+
+
+def _result_of(m: dict, outs: list[np.ndarray], labels, input_path: Path | None, top: int) -> dict:
+    """The service's ``results`` summary for this frame (agent/serve/pipeline.decode): boxes in
+    the input image's pixels; ``frame`` is its width and height."""
+    from .serve import pipeline
+
+    image = _source_image(input_path)
+    frame_hw = image.shape[:2] if image is not None else None
+    summary = pipeline.decode(m, outs, frame_hw=frame_hw, labels=labels, top_k=top)
+    body = json.loads(json.dumps(summary))  # tuples as lists, as the service sends them
+    if frame_hw is not None:
+        body["frame"] = [int(frame_hw[1]), int(frame_hw[0])]
+    return body
+
+
+def _check_draw(draw_path: Path | None, input_path: Path | None) -> None:
+    if draw_path is None:
+        return
+    if input_path is None or input_path.suffix == ".npy":
+        raise UsageError_("--draw needs an image --input (PNG/JPEG) to draw on")
+    if draw_path.suffix.lower() not in (".jpg", ".jpeg", ".png"):
+        raise UsageError_(f"--draw {draw_path}: give a .jpg or .png file name")
+    if not draw_path.parent.is_dir():
+        raise UsageError_(f"--draw {draw_path}: directory {draw_path.parent} does not exist")
+
+
+def _draw(result: dict, input_path: Path, draw_path: Path) -> None:
+    from .serve import draw
+
+    try:
+        draw.write(draw_path, draw.draw(_source_image(input_path), result["result"]))
+    except OSError as err:
+        raise UsageError_(f"--draw {draw_path}: cannot write it ({err.strerror or err})") from None
+
+
+def _echo_result(r: dict) -> None:
+    if r.get("kind") != "detector":
+        return
+    dets = r["detections"]
+    frame = f" in the {r['frame'][0]}x{r['frame'][1]} image" if r.get("frame") else " (input pixels)"
+    click.echo(f"{len(dets)} detection(s){frame}:")
+    for d in dets:
+        click.echo(f"  {d['score']:6.3f}  {d['label']:<16} [{', '.join(f'{v:.1f}' for v in d['box'])}]")
+
+
+def _image_path(input_specs: tuple[str, ...]) -> Path | None:
+    """The one image the input was made of (what --draw draws on and boxes are measured in)."""
+    if len(input_specs) != 1:
+        return None
+    spec = input_specs[0]
+    name, sep, file = spec.partition("=")
+    path = Path(file) if sep and not Path(spec).is_file() else Path(spec)
+    return path
+
+
+def _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, image_path=None) -> dict:
     from .serve import preprocess
 
     if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
@@ -129,7 +235,7 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
     with hmod.open_bundle(bundle, trusted_keys=keys) as b:
         b.lib_for()  # refuse a bundle without a lib for this machine before anything else
         m = b.manifest
-        inputs = _load_inputs(b, input_path)
+        inputs = _load_inputs(b, tuple(input_specs))
         labels = b.read(m["labels"]).decode("utf-8", "replace").splitlines() if m.get("labels") else None
         from .run.runtime import HybridModule, check_inputs
 
@@ -159,6 +265,7 @@ def _run(bundle, input_path, delegate, backends, keys, repeat, top, save_dir) ->
             entry["top5" if top == 5 else f"top{top}"] = [
                 [labels[i] if labels and i < len(labels) else str(int(i)), float(scores[i])] for i in idx]
         result["outputs"].append(entry)
+    result["result"] = _result_of(m, outs, labels, image_path, top)
     return result
 
 

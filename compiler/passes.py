@@ -308,6 +308,8 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
                     return None
                 p = pa if k == 0 else pb
                 c = other.value.numpy()
+                if 1 < c.ndim < len(p):    # (C, 1, 1) broadcasts from the right: make it (1, C, 1, 1)
+                    c = c.reshape((1,) * (len(p) - c.ndim) + c.shape)
                 if c.ndim == len(p):       # a per-channel (or full) constant: permute it the other way
                     c = c.transpose(np.argsort(p))
                 elif c.size != 1:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import durable, hmod
+from tandoor_contract import durable, hmod, media
 
 from . import codegen, cost, frontend, importer, order_onnx, partition, passes, report
 from . import profile as profile_mod
@@ -59,6 +59,14 @@ class Options:
     profile: Path | None = None   # tandoor profile output: measured numbers over estimates
     check: bool = True            # run the written bundle's golden self-test before it replaces anything
     measure: str = "auto"         # auto | on | off: decide from times measured here (host targets only)
+    build: int | None = None      # a build number the build system counts up: devices refuse older ones
+    # how frames become the input and what decodes the outputs (tandoor_contract.media)
+    resize: str = "stretch"       # stretch | letterbox
+    letterbox_align: str = "center"
+    pad_value: int = 114
+    pixel_range: str | None = None  # "0-1" | "0-255"; None: from the mean/std units
+    decoder: str | None = None
+    decoder_options: dict = field(default_factory=dict)  # conf, iou, max_det and the decoder's own
 
 
 def _tandoor_version() -> str:
@@ -71,7 +79,8 @@ def _tandoor_version() -> str:
 
 
 def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None:
-    if opts.mean is None and opts.std is None and not opts.bgr:
+    if opts.mean is None and opts.std is None and not opts.bgr and opts.resize == "stretch" \
+            and opts.pixel_range is None:
         return None
     chans = inputs[0].shape[1 if opts.layout == "NCHW" else -1]
     mean = opts.mean or [0.0] * chans
@@ -81,10 +90,28 @@ def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None
             raise CompileError(f"{label} has {len(v)} values; the input has {chans} channels (give 1 or {chans})")
     if any(s == 0 for s in std):
         raise CompileError("--std has a zero; standard deviations must be non-zero")
-    # Values above 1 mean the user gave them in 0..255 pixel units.
-    scale = 1.0 if max(mean + std) > 1.0 else 255.0
-    return {"mean": [float(x) for x in mean], "std": [float(x) for x in std], "scale": scale,
-            "layout": opts.layout, "bgr": bool(opts.bgr)}
+    # Values above 1 mean the user gave them in 0..255 pixel units, unless --pixel-range says.
+    if opts.pixel_range is not None:
+        scale = {"0-1": 255.0, "0-255": 1.0}[opts.pixel_range]
+    else:
+        scale = 1.0 if max(mean + std) > 1.0 else 255.0
+    try:
+        return media.preprocess_entry(resize=opts.resize, align=opts.letterbox_align, pad_value=opts.pad_value,
+                                      mean=mean, std=std, scale=scale, bgr=opts.bgr, layout=opts.layout)
+    except media.MediaError as err:
+        raise CompileError(str(err)) from None
+
+
+def _postprocess(opts: Options) -> dict | None:
+    given = {k: v for k, v in opts.decoder_options.items() if v is not None}
+    if opts.decoder is None:
+        if given:
+            raise CompileError(f"decoder options ({', '.join(given)}) need --decoder NAME")
+        return None
+    try:
+        return media.postprocess_entry(decoder=opts.decoder, **given)
+    except media.MediaError as err:
+        raise CompileError(str(err)) from None
 
 
 def _npy(a: np.ndarray) -> bytes:
@@ -148,6 +175,7 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
     with stage("load"):
         loaded = frontend.load(model, opts.inputs)
     preprocess = _preprocess(opts, loaded.inputs)
+    postprocess = _postprocess(opts)
     say("importing into TVM Relax")
     with stage("import"):
         mod = importer.to_relax(loaded)
@@ -171,7 +199,8 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
         golden = _golden_members(loaded, members)
     if opts.labels:
         members["labels.txt"] = Path(opts.labels).read_bytes()
-    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, preprocess, golden, model)
+    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, preprocess, golden, model,
+                         postprocess)
     staged = out_path.with_name(f".{out_path.name}.unchecked")
     try:
         say(f"writing {out_path.name}")
@@ -217,8 +246,8 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
     model_us = measured.model_tvm_us if measured and measured.model_tvm_us else cost.model_tvm_us(mod["main"], arch)
 
     def keep(p: partition.Partition) -> tuple[bool, str]:
-        f = sum(cost.op_flops(c) for c in partition.calls(p.func))
         est = cost.estimate(p.func, arch)
+        f = est["flops"]      # per call site: a region calls a shared composite function once per use
         m = measured.subgraph(p) if measured else None
         ok, reason, nums = cost.decide(est, model_us, m, source=source)
         p.est = {"flops": f, "share": round(f / total_flops, 6) if total_flops else 0.0, "bytes": est["bytes"],
@@ -371,12 +400,13 @@ def _golden_members(loaded: frontend.LoadedModel, members: dict) -> list[dict]:
 
 
 def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, target_entries, preprocess,
-              golden, model) -> dict:
+              golden, model, postprocess: dict | None = None) -> dict:
     import tvm
 
     result, kept = plan.result, plan.kept
     return {
         "model": {"name": plan.name, "version": opts.version, "source_sha256": loaded.sha256, "source": Path(model).name},
+        **({"build": int(opts.build)} if opts.build is not None else {}),
         "tvm_version": tvm.__version__,
         "tandoor_version": _tandoor_version(),
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -384,6 +414,7 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
         "inputs": [{**i.as_dict(), "layout": opts.layout if len(i.shape) == 4 else None} for i in loaded.inputs],
         "outputs": [o.as_dict() for o in loaded.outputs],
         "preprocess": preprocess,
+        "postprocess": postprocess,
         "labels": "labels.txt" if opts.labels else None,
         "partitions": parts_manifest,
         "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],

@@ -154,6 +154,37 @@ def normalize_arch(arch: str) -> str:
     return _ARCH_ALIASES.get(a, a)
 
 
+def _release_number(v: Any) -> tuple[int, ...] | None:
+    """``"2"``, ``"v1.10.3"`` -> (2,), (1, 10, 3); anything else (``"arm-only"``) -> None."""
+    text = str(v).strip().lower().removeprefix("v") if v is not None else ""
+    parts = text.split(".")
+    return tuple(int(x) for x in parts) if text and all(x.isdigit() for x in parts) else None
+
+
+def downgrade_reason(new: Mapping[str, Any], old: Mapping[str, Any]) -> str | None:
+    """Why the bundle with manifest ``new`` is older than the one with manifest ``old`` (TUF's
+    rollback-attack defence: a validly signed old bundle replayed), or None.
+
+    In order, the first that both manifests have decides: ``build`` (an integer the build
+    system counts up), ``model.version`` when both are release numbers of the same model
+    (``2`` < ``10``, ``1.2`` < ``1.10``), then ``created`` (the signed build time, which every
+    bundle has). Equal is not older: the same build again is a no-op for the slots, not a replay."""
+    nb, ob = new.get("build"), old.get("build")
+    if isinstance(nb, int) and isinstance(ob, int) and not isinstance(nb, bool) and not isinstance(ob, bool):
+        return f"build {nb} is older than the committed build {ob}" if nb < ob else None
+    nm, om = new.get("model") or {}, old.get("model") or {}
+    nv, ov = _release_number(nm.get("version")), _release_number(om.get("version"))
+    if nv is not None and ov is not None and nm.get("name") == om.get("name"):
+        if nv == ov:
+            return None
+        return (f"version {nm.get('version')} is older than the committed version {om.get('version')}"
+                if nv < ov else None)
+    nc, oc = str(new.get("created") or ""), str(old.get("created") or "")
+    if nc and oc and nc < oc:  # ISO-8601 UTC strings of one format sort as times
+        return f"built {nc}, before the committed bundle ({oc})"
+    return None
+
+
 def machine_arch() -> str:
     """This machine's architecture as the manifest spells it (``aarch64``, ``x86_64``, ...)."""
     return normalize_arch(platform.machine())
@@ -239,6 +270,54 @@ def load_public_key(path: PathLike) -> Ed25519PublicKey:
     return key
 
 
+def public_key_from_pem(pem: str | bytes) -> Ed25519PublicKey:
+    """An Ed25519 public key from PEM text (a key carried in a message, not a file)."""
+    data = pem.encode() if isinstance(pem, str) else pem
+    if b"PRIVATE KEY" in data:
+        raise KeyFileError("that is a private key", "send the matching public key instead")
+    try:
+        key = serialization.load_pem_public_key(data)
+    except ValueError:
+        raise KeyFileError("not a PEM public key") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise KeyFileError(f"a {type(key).__name__}, not an Ed25519 public key")
+    return key
+
+
+def public_key_pem(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
+    pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+
+
+def _command_bytes(body: Mapping[str, Any]) -> bytes:
+    return json.dumps({k: v for k, v in body.items() if k not in ("signature", "signer")},
+                      sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sign_command(body: Mapping[str, Any], private_key: PathLike | Ed25519PrivateKey) -> dict[str, Any]:
+    """``body`` plus ``signature`` (Ed25519 over its canonical JSON, hex) and ``signer`` (the
+    key's fingerprint): a command a device checks with :func:`verify_command` (key rotation)."""
+    key = private_key if isinstance(private_key, Ed25519PrivateKey) else load_private_key(private_key)
+    return {**body, "signature": key.sign(_command_bytes(body)).hex(), "signer": key_fingerprint(key)}
+
+
+def verify_command(msg: Mapping[str, Any], trusted_keys: Iterable[KeySource]) -> str:
+    """The fingerprint of the trusted key that signed ``msg``; BadSignature otherwise."""
+    sig = msg.get("signature")
+    try:
+        raw = bytes.fromhex(sig) if isinstance(sig, str) else b""
+    except ValueError:
+        raw = b""
+    data = _command_bytes(msg)
+    for k in _load_trusted(trusted_keys):
+        try:
+            k.verify(raw, data)
+        except InvalidSignature:
+            continue
+        return key_fingerprint(k)
+    raise BadSignature("the command's signature does not verify with any trusted key")
+
+
 # ------------------------------------------------------------------------------------- helpers
 def _check_name(name: str) -> None:
     """Member names are plain relative POSIX paths, so extraction can never leave the dest dir."""
@@ -257,6 +336,8 @@ def _check_name(name: str) -> None:
 
 def _check_entry(info: zipfile.ZipInfo) -> None:
     mode = info.external_attr >> 16
+    if not info.filename:  # before is_dir(), which indexes the name (the bundle fuzzer found it)
+        raise UnsafeMember("a member has an empty name")
     # Checked whatever create_system claims: a crafted zip can say "DOS" and still carry a link.
     if info.is_dir() or info.external_attr & 0x10 or stat.S_ISDIR(mode):
         raise UnsafeMember(f"member {info.filename!r} is a directory entry")

@@ -4,7 +4,11 @@ Topics: every device's topics are under ``<prefix>/<device_id>/`` (docs/protocol
 
     status, telemetry, results, cmd, response           the service
     update/job, update/chunk/<job_id>/<index>,         model updates (docs/updates.md)
-    update/ack, update/need
+    update/ack, update/need, update/cancel, update/keys
+
+and one level no device can be named (device ids are ``A-Z a-z 0-9 _ . -``), read by every device
+and written only by the fleet: ``<prefix>/~fleet/update/chunk/<job_id>/<index>``, where a job's
+chunks go once per wave (a device subscribes to its job's chunks while it runs the job).
 
 Update jobs move through ``JOB_STATES`` (the device acks each state it reaches on
 ``update/ack``); ``FINAL_STATES`` end a job. The fleet reads the same table to know when a device
@@ -13,7 +17,9 @@ is done, so a state exists here or nowhere.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_PREFIX = "tandoor"
 PROTOCOL_VERSION = 1
@@ -30,6 +36,9 @@ UPDATE_JOB = "update/job"
 UPDATE_CHUNK = "update/chunk"
 UPDATE_ACK = "update/ack"
 UPDATE_NEED = "update/need"
+UPDATE_CANCEL = "update/cancel"
+UPDATE_KEYS = "update/keys"
+FLEET_LEVEL = "~fleet"          # not a legal device id: the fleet-wide topics
 
 
 def base(prefix: str, device_id: str) -> str:
@@ -45,6 +54,15 @@ def chunk_topic(prefix: str, device_id: str, job_id: str, index: int) -> str:
     return f"{prefix}/{device_id}/{UPDATE_CHUNK}/{job_id}/{index}"
 
 
+def group_chunk_topic(prefix: str, job_id: str, index: int) -> str:
+    """A job's chunk for every device of the wave: ``tandoor/~fleet/update/chunk/<job>/<i>``."""
+    return f"{prefix}/{FLEET_LEVEL}/{UPDATE_CHUNK}/{job_id}/{index}"
+
+
+def group_chunk_filter(prefix: str, job_id: str) -> str:
+    return f"{prefix}/{FLEET_LEVEL}/{UPDATE_CHUNK}/{job_id}/#"
+
+
 def fleet_filter(prefix: str, leaf: str) -> str:
     """Every device's ``leaf``: ``tandoor/+/status``."""
     return f"{prefix}/+/{leaf}"
@@ -57,6 +75,20 @@ def device_of(prefix: str, topic_name: str) -> str | None:
         return None
     dev = topic_name[len(head):].split("/", 1)[0]
     return dev or None
+
+
+def json_object(payload: bytes, max_bytes: int, what: str) -> dict[str, Any]:
+    """A message that must be one JSON object of at most ``max_bytes``; ValueError naming the
+    problem ("<what> of N bytes is over ...", "<what> is not JSON (...)", ...) otherwise."""
+    if len(payload) > max_bytes:
+        raise ValueError(f"{what} of {len(payload)} bytes is over the {max_bytes} byte limit")
+    try:
+        o = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{what} is not JSON ({e})") from None
+    if not isinstance(o, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return o
 
 
 # --- update job states ------------------------------------------------------------------------
@@ -77,6 +109,7 @@ JOB_STATES: dict[str, JobState] = {s.name: s for s in [
     JobState("committed", True, "the health gate passed; the device serves the new model", ok=True),
     JobState("rolled_back", True, "the trial failed (health gate, swap, restart): the old model serves"),
     JobState("failed", True, "refused or abandoned before a trial (kind and reason say why)"),
+    JobState("cancelled", True, "dropped before a trial: `tandoor fleet cancel`, or a newer job superseded it"),
 ]}
 FINAL_STATES: tuple[str, ...] = tuple(s.name for s in JOB_STATES.values() if s.final)
 
@@ -84,3 +117,61 @@ FINAL_STATES: tuple[str, ...] = tuple(s.name for s in JOB_STATES.values() if s.f
 def is_final(state: str) -> bool:
     s = JOB_STATES.get(state)
     return bool(s and s.final)
+
+
+
+# --- why a job ended (the ``kind`` of a final ack) ----------------------------------------------
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    state: str                # the final state it goes with
+    recorded: bool            # kept in finals.json: the same job offered again gets the same answer
+    doc: str
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in [
+    # refused before anything was downloaded or installed
+    Kind("malformed", "failed", False, "the offer breaks the rules of the offer (reason names the field)"),
+    Kind("busy", "failed", False, "another job runs (reason names it, its progress and when it expires)"),
+    Kind("stale", "failed", True, "the job's deadline had passed when it was offered"),
+    Kind("not_supported", "failed", False, "the agent serves an explicit bundle (no slot_dir)"),
+    Kind("downgrade", "failed", True, "older than the committed model (version or build time); "
+                                      "the job may say allow_downgrade"),
+    # the transfer
+    Kind("expired", "failed", True, "the deadline passed before the download was complete"),
+    Kind("stalled", "failed", False, "no progress for the job's stall timeout"),
+    Kind("chunk_hash", "failed", True, "a chunk failed its sha256 check too many times"),
+    Kind("download", "failed", False, "the artifact URL kept failing until the stall timeout"),
+    Kind("sha256_mismatch", "failed", True, "the whole file is not the job's sha256"),
+    Kind("no_space", "failed", False, "not enough disk to stage or install; the running model is untouched"),
+    Kind("io_error", "failed", False, "a write failed; the running model is untouched"),
+    # the bundle (hmod errors, through slots.InstallRefused)
+    Kind("bad_signature", "failed", True, "not signed by a trusted key"),
+    Kind("retired_key", "failed", True, "signed by a key that was retired (update/keys)"),
+    Kind("unsigned", "failed", True, "no signature while keys are trusted"),
+    Kind("hash_mismatch", "failed", True, "a member's sha256 differs from the manifest"),
+    Kind("not_a_bundle", "failed", True, "not a bundle (truncated, not a ZIP, no manifest)"),
+    Kind("unsafe_member", "failed", True, "a member name that could escape (path tricks, links)"),
+    Kind("missing_member", "failed", True, "a member the manifest lists is not there"),
+    Kind("extra_member", "failed", True, "a member the manifest does not list"),
+    Kind("format_version", "failed", True, "a format version this agent does not read"),
+    Kind("wrong_arch", "failed", True, "no library for this machine"),
+    Kind("key_file", "failed", True, "a trusted key file could not be read (the device's configuration)"),
+    Kind("bundle_error", "failed", True, "another bundle refusal (reason says which)"),
+    Kind("internal", "failed", True, "a bug: the reason carries the error"),
+    # after the trial started
+    Kind("unhealthy", "rolled_back", True, "the health gate failed (golden, errors, p95)"),
+    Kind("swap_failed", "rolled_back", True, "the committed model did not load in the agent"),
+    Kind("restarted", "rolled_back", True, "the agent restarted before the trial was committed"),
+    Kind("crash_loop", "rolled_back", True, "the committed model crashed the agent at N starts in a row"),
+    # cancelled
+    Kind("cancelled", "cancelled", True, "the fleet cancelled the job"),
+    Kind("superseded", "cancelled", True, "a newer job was offered while this one was still downloading"),
+]}
+
+
+def recorded(kind: str | None) -> bool:
+    """Whether a final ack of this kind is kept for the same job offered again (unknown: yes)."""
+    k = KINDS.get(kind or "")
+    return True if k is None else k.recorded

@@ -1,2 +1,6 @@
-"""The host's fleet operations over MQTT: list devices, deploy a bundle in waves with canaries,
-follow a job, roll back. Speaks the protocol in tandoor_contract.protocol."""
+"""The host's fleet operations over MQTT, speaking tandoor_contract.protocol:
+
+    client      the broker connection (Fleet): devices, job status, commands, cancel, key commands
+    rollout     Rollout: plan, run_wave, judge, judge_canaries (what `tandoor fleet deploy` runs)
+    artifacts   ArtifactServer: the bundle over HTTP with Range requests (--transport url --serve)
+"""

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from tandoor_compiler.errors import CompileError
-from tandoor_contract import hmod, orders
+from tandoor_contract import hmod, media, orders
 from tandoor_contract.errors import TandoorError
 
 DEBUG = os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
@@ -114,6 +114,19 @@ def _floats(text: str | None, opt: str) -> list[float] | None:
         raise CompileError(f"{opt} '{text}': expected comma-separated numbers such as 0.485,0.456,0.406") from None
 
 
+def _decoder_options(pairs: tuple[str, ...]) -> dict:
+    out = {}
+    for pair in pairs:
+        k, sep, v = pair.partition("=")
+        try:
+            if not sep or not k:
+                raise ValueError
+            out[k.strip()] = json.loads(v)
+        except ValueError:
+            raise CompileError(f"--decoder-option {pair!r}: expected KEY=JSON, e.g. strides=[8,16,32] or agnostic=true") from None
+    return out
+
+
 @click.group(cls=_Tool, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tandoor")
 @debug_option
@@ -143,6 +156,9 @@ def main() -> None:
                    "Refused when its key (model, shapes, library versions) does not match.")
 @click.option("--name", help="Model name in the manifest (default: from the ONNX graph or file name).")
 @click.option("--model-version", "version", default="1", show_default=True, help="Model version in the manifest.")
+@click.option("--build", type=click.IntRange(0), default=None,
+              help="Build number (your CI's counter) in the signed manifest: devices refuse a bundle whose build is "
+                   "older than the committed one unless the job allows a downgrade (docs/updates.md).")
 @click.option("--measure", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Decide what to delegate from times measured on this machine (tandoor-agent profile of every "
                    "candidate subgraph, a few runs each). auto: when every target is this host; a board target "
@@ -150,17 +166,36 @@ def main() -> None:
 @click.option("--no-check", is_flag=True,
               help="Write the bundle without running its golden self-test first (the check refuses a bundle "
                    "whose outputs differ from onnxruntime's on the source model).")
+@click.option("--resize", type=click.Choice(media.RESIZE_MODES), default="stretch", show_default=True,
+              help="How a frame becomes the input: stretch to it, or letterbox (keep the aspect ratio, pad).")
+@click.option("--letterbox-align", type=click.Choice(media.ALIGNS), default="center", show_default=True,
+              help="Where the letterboxed image sits: center (YOLO) or topleft (padding bottom-right).")
+@click.option("--pad-value", type=click.IntRange(0, 255), default=114, show_default=True,
+              help="Letterbox padding grey level: 114 as YOLO trains, 0 for black.")
+@click.option("--pixel-range", type=click.Choice(["0-1", "0-255"]),
+              help="Pixels before --mean/--std: 0-1 (divided by 255) or raw 0-255. Default: from the units of --mean/--std.")
+@click.option("--decoder", type=click.Choice(tuple(d for d in media.DECODERS)),
+              help="What decodes the outputs on the device (agent/serve/postprocess.py); stored in the manifest.")
+@click.option("--conf", type=click.FloatRange(0, 1), help="Decoder score threshold (default: the decoder's).")
+@click.option("--iou", type=click.FloatRange(0, 1), help="Decoder NMS IoU threshold (default: the decoder's).")
+@click.option("--max-det", type=click.IntRange(1), help="Detections per frame at most (default: the decoder's).")
+@click.option("--decoder-option", "decoder_opts", multiple=True, metavar="KEY=JSON",
+              help="Another decoder option (repeatable), e.g. strides=[8,16,32] or agnostic=true.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
-            measure, no_check, quiet):
+            build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
+            decoder_opts, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
     from tandoor_compiler.pipeline import Options, compile_model
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
-                   layout, bgr, policy, name, version, profile, check=not no_check, measure=measure)
+                   layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build,
+                   resize=resize, letterbox_align=letterbox_align, pad_value=pad_value, pixel_range=pixel_range,
+                   decoder=decoder,
+                   decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det})
     console = Console(stderr=True, quiet=quiet, log_path=False)
     with console.status("compiling") as status:
         def progress(msg: str) -> None:
@@ -376,13 +411,24 @@ def _fleet(broker, cafile, prefix):
         sys.exit(2)
 
 
+def _per_device(out: dict, as_json: bool, line, ok) -> None:
+    """Print {device: answer} (as JSON, or ``line(answer)`` per device) and exit 0 when every
+    answer is ``ok(answer)``, else 1."""
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+    else:
+        for d, a in out.items():
+            click.echo(f"{d:24s} {line(a)}")
+    sys.exit(0 if all(ok(a) for a in out.values()) else 1)
+
+
 def _device_list(devices: str | None) -> list[str] | None:
     return [d.strip() for d in devices.split(",") if d.strip()] if devices else None
 
 
 @main.group()
 def fleet():
-    """Fleet model updates over MQTT (docs/fleet.md): devices, deploy, status, rollback."""
+    """Fleet model updates over MQTT (docs/fleet.md): devices, deploy, status, cancel, rollback, keys."""
 
 
 @fleet.command("devices")
@@ -426,9 +472,21 @@ def fleet_devices(broker, cafile, prefix, as_json, wait):
               help="Seconds the canaries serve the new model before their telemetry p95 (inference, every "
                    "frame since the swap) is checked against --latency-budget-ms; give it a few telemetry "
                    "periods. Without telemetry: the p95 of the device health gate.")
+@click.option("--transport", type=click.Choice(["mqtt", "url"]), default="mqtt", show_default=True,
+              help="mqtt: chunks once per wave on the fleet-wide topic, re-sends on request; url: devices "
+                   "download the bundle themselves with HTTP Range requests (--artifact-url or --serve).")
+@click.option("--artifact-url", help="With --transport url: where the devices fetch the bundle (an object store URL).")
+@click.option("--serve", "serve", metavar="HOST:PORT",
+              help="With --transport url: serve the bundle from this host over HTTP while the deploy runs "
+                   "(HOST: the address the devices reach; port 0: any free one).")
+@click.option("--stall-timeout", default=120.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds without progress after which a device drops the job (so a dead deploy never wedges it).")
+@click.option("--allow-downgrade", is_flag=True,
+              help="Let devices install a bundle older than the one they run (refused by default).")
 @click.option("--json", "as_json", is_flag=True, help="Per device: final state and reason, as JSON.")
 def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_failures, latency_budget_ms, timeout,
-                 wave_size, chunk_size, health_frames, job_id, canary_soak, as_json):
+                 wave_size, chunk_size, health_frames, job_id, canary_soak, transport, artifact_url, serve,
+                 stall_timeout, allow_downgrade, as_json):
     """Staged rollout of BUNDLE: canaries, then waves; stops on failures or a p95 regression.
 
     Exit code 0 when every device committed, 1 otherwise, 2 on usage/connection errors."""
@@ -452,7 +510,8 @@ def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_fail
         res = f.deploy(bundle, _device_list(devices), canary_pct=pct, max_failures=max_failures,
                        latency_budget_ms=latency_budget_ms, timeout=timeout, job_id=job_id, chunk_size=chunk_size,
                        health_frames=health_frames, wave_size=wave_size, canary_soak_s=canary_soak,
-                       progress=progress)
+                       transport=transport, artifact_url=artifact_url, serve=serve, stall_timeout_s=stall_timeout,
+                       allow_downgrade=allow_downgrade, progress=progress)
     except FleetError as err:
         click.echo(f"tandoor: error: {err}", err=True)
         sys.exit(2)
@@ -489,6 +548,72 @@ def fleet_status(job, broker, cafile, prefix, as_json, wait):
         click.echo(f"no device reports job {job}", err=True)
 
 
+@fleet.command("cancel")
+@click.argument("job")
+@_broker_options
+@click.option("--devices", help="Comma-separated device ids (default: every device whose last ack names JOB, not final).")
+@click.option("--reason", default="cancelled by the operator", show_default=True, help="Said in the cancelled ack.")
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the answers.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def fleet_cancel(job, broker, cafile, prefix, devices, reason, timeout, as_json):
+    """Drop JOB on the devices now (e.g. after its deploy died): they answer `cancelled` and take
+    the next job at once. A device past its download finishes the job by itself (said so)."""
+    f = _fleet(broker, cafile, prefix)
+    try:
+        out = f.cancel(job, _device_list(devices), reason=reason, timeout=timeout)
+    finally:
+        f.close()
+    if not out:
+        click.echo(f"no device runs job {job} (give --devices to record the cancel anyway)", err=True)
+    _per_device(out, as_json, lambda a: f"{str(a.get('state')):12s} {a.get('note') or a.get('reason') or ''}",
+                lambda a: a.get("state") == "cancelled")
+
+
+@fleet.group("keys")
+def fleet_keys():
+    """Key rotation on the devices: signed add-key / retire-key commands (docs/updates.md)."""
+
+
+def _key_op(op, devices, sign_with, broker, cafile, prefix, timeout, as_json, **kw):
+    from tandoor_fleet.rollout import FleetError
+
+    f = _fleet(broker, cafile, prefix)
+    try:
+        out = f.key_command(_device_list(devices), op, Path(sign_with), timeout=timeout, **kw)
+    except FleetError as err:
+        click.echo(f"tandoor: error: {err}", err=True)
+        sys.exit(2)
+    finally:
+        f.close()
+    _per_device(out, as_json, lambda a: ("ok trusted: " + ", ".join(a.get("trusted") or [])) if a.get("ok")
+                else f"FAILED {a.get('reason')}", lambda a: a.get("ok"))
+
+
+def _key_options(f):
+    f = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
+    f = click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the answers.")(f)
+    f = click.option("--sign-with", required=True, type=click.Path(exists=True, dir_okay=False),
+                     help="Private key (PEM) the devices trust now.")(f)
+    f = click.option("--devices", required=True, help="Comma-separated device ids.")(f)
+    return _broker_options(f)
+
+
+@fleet_keys.command("add")
+@click.argument("public_key", type=click.Path(exists=True, dir_okay=False))
+@_key_options
+def fleet_keys_add(public_key, devices, sign_with, broker, cafile, prefix, timeout, as_json):
+    """Trust PUBLIC_KEY too (signed with a key the devices trust now)."""
+    _key_op("add-key", devices, sign_with, broker, cafile, prefix, timeout, as_json, public_key=Path(public_key))
+
+
+@fleet_keys.command("retire")
+@click.argument("fingerprint")
+@_key_options
+def fleet_keys_retire(fingerprint, devices, sign_with, broker, cafile, prefix, timeout, as_json):
+    """Stop trusting the key FINGERPRINT (from `tandoor keygen`); its bundles are refused from now on."""
+    _key_op("retire-key", devices, sign_with, broker, cafile, prefix, timeout, as_json, fingerprint=fingerprint)
+
+
 @fleet.command("rollback")
 @_broker_options
 @click.option("--devices", required=True, help="Comma-separated device ids.")
@@ -501,12 +626,8 @@ def fleet_rollback(broker, cafile, prefix, devices, timeout, as_json):
         out = f.command(_device_list(devices), "rollback", timeout=timeout)
     finally:
         f.close()
-    if as_json:
-        click.echo(json.dumps(out, indent=2))
-    else:
-        for d, r in out.items():
-            click.echo(f"{d:24s} {'ok' if r.get('ok') else 'FAILED'} {r.get('result') or r.get('error')}")
-    sys.exit(0 if all(r.get("ok") for r in out.values()) else 1)
+    _per_device(out, as_json, lambda r: f"{'ok' if r.get('ok') else 'FAILED'} {r.get('result') or r.get('error')}",
+                lambda r: r.get("ok"))
 
 
 if __name__ == "__main__":

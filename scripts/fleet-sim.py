@@ -11,9 +11,13 @@ does no inference (it sleeps ``--gate-s`` and reports a fixed p95), and the "hot
 the retained status with the new model. The agents run in ``--processes`` worker processes.
 
 The host side is the real fleet/rollout.py (what `tandoor fleet deploy` runs): canaries, then
-the rest in waves. Recorded: time to full rollout, messages and bytes per device (both ways), the
-broker's $SYS counters (messages and bytes received/sent) over the rollout, and the mosquitto
-process' CPU (psutil). ``--docs`` appends the numbers to docs/benchmarks.md ("Fleet rollout").
+the rest in waves, over ``--transport mqtt`` (chunks once per wave on the fleet-wide topic) or
+``url`` (the host serves the bundle over HTTP on 127.0.0.1, the agents fetch it with Range
+requests). Recorded: time to full rollout, what each agent was delivered (bytes, over the
+bundle's size), messages and bytes the host sent per device, the host's CPU, the broker's $SYS
+counters over the rollout, and the mosquitto process' CPU (psutil). ``--pad-kb`` makes the
+bundle bigger (a listed member of random bytes). ``--docs`` appends the numbers to
+docs/benchmarks.md ("Fleet rollout").
 """
 
 from __future__ import annotations
@@ -60,11 +64,19 @@ class SimDevice:
         self.c.reconnect_delay_set(0.5, 4)
         self.connected = threading.Event()
         self.c.on_connect = self._on_connect
-        self.c.on_message = lambda c, u, m: self.updater.on_message(m.topic, m.payload, getattr(m, "properties", None))
+        self.c.on_message = self._on_message
+        self.received = {"messages": 0, "bytes": 0}  # update messages and their payload bytes, as delivered
         self.updater = Updater(self.store, self.base, self._publish, trusted_keys=[pub], gate=self._gate,
-                               swap=self._swap, device_id=dev, need_interval_s=2.0)
+                               swap=self._swap, device_id=dev, need_interval_s=2.0,
+                               subscribe=lambda t: self.c.subscribe(t, qos=1), unsubscribe=self.c.unsubscribe)
         self.updater.recover()
         self.c.will_set(f"{self.base}/status", json.dumps({"online": False, "device_id": dev}), qos=1, retain=True)
+
+    def _on_message(self, client, userdata, m) -> None:
+        if self.updater.wants(m.topic):
+            self.received["messages"] += 1
+            self.received["bytes"] += len(m.payload)
+            self.updater.on_message(m.topic, m.payload, getattr(m, "properties", None))
 
     def _publish(self, topic, payload, qos, retain):
         self.c.publish(topic, payload, qos=qos, retain=retain)
@@ -108,17 +120,67 @@ class SimDevice:
         self.c.publish(f"{self.base}/status", json.dumps(self.status()), qos=1, retain=True)
 
     def start(self) -> SimDevice:
+        """Connect (the worker's NetLoop then drives the client)."""
         self.updater.start()
-        self.c.connect_async(self.host, self.port, 30, clean_start=True)
-        self.c.loop_start()
+        self.c.connect(self.host, self.port, 30, clean_start=True)
         return self
 
     def stop(self) -> None:
         self.updater.stop()
         self.c.publish(f"{self.base}/status", json.dumps({"online": False, "device_id": self.dev}), qos=1,
-                       retain=True).wait_for_publish(2)
+                       retain=True)
         self.c.disconnect()
-        self.c.loop_stop()
+
+
+class NetLoop:
+    """One thread drives every paho client of a worker process (select over their sockets),
+    instead of a network thread per client: hundreds of threads on two cores spend their time
+    handing the GIL around, which a real fleet (one agent per board) never does."""
+
+    def __init__(self, devs: list[SimDevice]) -> None:
+        self.devs = devs
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="sim-netloop", daemon=True)
+
+    def start(self) -> NetLoop:
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        import select
+
+        last_misc = 0.0
+        while not self._stop.is_set():
+            socks = {}
+            for d in self.devs:
+                s = d.c.socket()
+                if s is not None:
+                    socks[s] = d
+            want_w = [s for s, d in socks.items() if d.c.want_write()]
+            try:
+                r, w, _ = select.select(list(socks), want_w, [], 0.05)
+            except (OSError, ValueError):
+                continue
+            for s in r:
+                socks[s].c.loop_read(10)
+            for s in w:
+                socks[s].c.loop_write()
+            now = time.monotonic()
+            if now - last_misc > 1.0:
+                last_misc = now
+                for d in self.devs:
+                    if d.c.socket() is None:
+                        try:
+                            d.c.reconnect()
+                        except OSError:
+                            pass
+                    else:
+                        d.c.loop_misc()
+
+    def stop(self, drain_s: float = 2.0) -> None:
+        time.sleep(drain_s)  # let the last publishes out
+        self._stop.set()
+        self._t.join(5)
 
 
 def worker(args) -> int:
@@ -128,6 +190,7 @@ def worker(args) -> int:
                       gate_s=args.gate_s, p95_ms=args.p95_ms, fail_gate=d in fail) for d in ids]
     for d in devs:
         d.start()
+    net = NetLoop(devs).start()
     for d in devs:
         d.connected.wait(30)
     print("ready", flush=True)
@@ -137,6 +200,9 @@ def worker(args) -> int:
     stop.wait()
     for d in devs:
         d.stop()
+    net.stop()
+    print(json.dumps({d.dev: {**d.received, "downloaded": d.updater.counters["chunks"] if d.updater.counters["downloads"]
+                              else 0} for d in devs}), flush=True)
     return 0
 
 
@@ -172,16 +238,22 @@ class SimFleet:
                 p.stdin.close()
             except Exception:
                 pass
+        self.received: dict[str, dict] = {}  # per device: update messages and bytes it was delivered
         for p in self.procs:
             try:
-                p.wait(20)
+                p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+            for line in p.stdout.read().decode(errors="replace").splitlines():
+                if line.startswith("{"):
+                    self.received.update(json.loads(line))
 
 
 # -------------------------------------------------------------------------------- host side
-def make_bundles(d: Path) -> dict[str, Path]:
-    """A small real bundle (zoo dynamic_batch, 1x3x32x32, host + aarch64) as v1 and v2, signed."""
+def make_bundles(d: Path, pad_bytes: int = 0) -> dict[str, Path]:
+    """A small real bundle (zoo dynamic_batch, 1x3x32x32, host + aarch64) as v1 and v2, signed;
+    ``pad_bytes`` of random bytes in a listed member (``padding.bin``) make it that much bigger
+    (a larger bundle with the same model: the transfer is what scales)."""
     from tandoor_contract import hmod
     from tandoor_zoo import models as zoo
 
@@ -197,6 +269,10 @@ def make_bundles(d: Path) -> dict[str, Path]:
             members = {n: z.read(n) for n in man["files"]}
         man.pop("files")
         man["model"]["version"] = v
+        if pad_bytes:
+            import os
+
+            members["padding.bin"] = os.urandom(pad_bytes)
         hmod.write_bundle(d / f"v{v}.hmod", man, members, private_key=d / "k.pem")
         out[f"v{v}"] = d / f"v{v}.hmod"
     return out
@@ -275,7 +351,7 @@ def run_sim(args) -> dict:
         if args.bundle:
             B = {"v1": Path(args.seed_bundle or args.bundle), "v2": Path(args.bundle), "pub": Path(args.pub)}
         else:
-            B = make_bundles(work / "bundles")
+            B = make_bundles(work / "bundles", pad_bytes=int(args.pad_kb * 1024))
         extra = ("sys_interval 1\nmax_queued_messages 100000\nmax_inflight_messages 100\n"
                  "max_packet_size 1048576\n")
         broker = Broker(work / "broker", extra_config=extra).start()
@@ -292,6 +368,7 @@ def run_sim(args) -> dict:
                     if len(online) < args.agents:
                         raise RuntimeError(f"only {len(online)} of {args.agents} simulated agents are online")
                     before = watch.snapshot()
+                    cpu0 = time.process_time()
                     lines = []
                     t0 = time.monotonic()
 
@@ -303,7 +380,10 @@ def run_sim(args) -> dict:
 
                     res = f.deploy(B["v2"], sim.ids, canary_pct=args.canary, max_failures=args.max_failures,
                                    latency_budget_ms=args.latency_budget_ms, timeout=args.timeout,
-                                   chunk_size=args.chunk_size, wave_size=args.wave_size, progress=progress)
+                                   chunk_size=args.chunk_size, wave_size=args.wave_size, progress=progress,
+                                   transport=args.transport,
+                                   serve="127.0.0.1:0" if args.transport == "url" else None)
+                    host_cpu = time.process_time() - cpu0
                     after = watch.snapshot()
                     per = {d: f.per_device.get(d, {}) for d in sim.ids}
                 finally:
@@ -325,6 +405,11 @@ def run_sim(args) -> dict:
         vals = [p.get(k, 0) for p in per.values()]
         return sum(vals) / max(1, len(vals))
 
+    got = [sim.received.get(d, {}) for d in sim.ids]
+    if args.transport == "url":  # over HTTP: what the host's artifact server sent, per device
+        dev_bytes = [res["artifact_server"]["bytes"] / n] * n
+    else:
+        dev_bytes = [g.get("bytes", 0) for g in got]
     finals = [r.get("t_final") for r in res["devices"].values() if r.get("t_final") is not None]
     canary = [r.get("t_final") for r in res["devices"].values() if r.get("wave") == "canary" and r.get("t_final")]
     cpu = watch.cpu_samples
@@ -334,6 +419,12 @@ def run_sim(args) -> dict:
         "aborted": res["aborted"], "boot_s": round(boot_s, 1),
         "rollout_s": res["seconds"], "canary_done_s": max(canary) if canary else None,
         "first_commit_s": min(finals) if finals else None, "last_commit_s": max(finals) if finals else None,
+        "transport": args.transport,
+        "device_received": {"bytes_mean": round(sum(dev_bytes) / max(1, n)), "bytes_max": round(max(dev_bytes or [0])),
+                            "x_bundle_mean": round(sum(dev_bytes) / max(1, n) / res["size"], 3),
+                            "x_bundle_max": round(max(dev_bytes or [0]) / res["size"], 3),
+                            "messages_mean": round(sum(g.get("messages", 0) for g in got) / max(1, n), 1)},
+        "host_cpu_s": round(host_cpu, 2),
         "per_device": {"messages_to": round(mean("messages_out"), 1), "bytes_to": round(mean("bytes_out")),
                        "messages_from": round(mean("messages_in"), 1), "bytes_from": round(mean("bytes_in"))},
         "broker": {"messages_received": delta("messages/received"), "messages_sent": delta("messages/sent"),
@@ -361,9 +452,12 @@ counted on that device's topics; broker numbers are $SYS deltas over the rollout
 host's monitoring subscription: every ack/need is delivered once more to it), CPU is the mosquitto
 process via psutil (0.5 s samples).
 
-The broker forwards each chunk once per device (each device has its own topics, which the per-device
-ACLs need), so its traffic is ~ devices x bundle size in and out; time to full rollout is the canary
+The host sends each chunk once per wave on the fleet-wide topic and the broker fans it out, so the
+broker's egress is ~ devices x bundle size and its ingress ~ waves x bundle size (`--transport url`:
+the bytes go over HTTP from the host's artifact server instead); time to full rollout is the canary
 wave (transfer + install + gate) plus the remaining waves; the gate runs in parallel on every device.
+Each worker process drives its agents' MQTT clients from one network thread. See docs/fleet.md
+("Scale") for 1000 devices.
 """
 
 
@@ -382,7 +476,10 @@ def to_markdown(r: dict, cmd: str, with_header: bool) -> str:
 | outcome | {', '.join(f"{v} {k}" for k, v in sorted(r['counts'].items()))}{' (aborted: ' + r['aborted'] + ')' if r['aborted'] else ''} |
 | bundle | {r['bundle_bytes']} bytes, {r['n_chunks']} chunks of {r['chunk_size']} bytes |
 | time to full rollout | {r['rollout_s']:.1f} s (canaries done at {r['canary_done_s']} s; first commit {r['first_commit_s']} s, last {r['last_commit_s']} s); agents started in {r['boot_s']} s |
-| per device, host -> device | {p['messages_to']} messages, {p['bytes_to'] / 1e3:.1f} kB (offer + chunks + re-sends) |
+| transport | {r['transport']} |
+| each device received | {r['device_received']['x_bundle_mean']}x the bundle on average, {r['device_received']['x_bundle_max']}x at most |
+| per device, host -> device | {p['messages_to']} messages, {p['bytes_to'] / 1e3:.1f} kB on its own topics (offer + re-sends) |
+| host CPU | {r['host_cpu_s']} s |
 | per device, device -> host | {p['messages_from']} messages, {p['bytes_from'] / 1e3:.2f} kB (acks, needs) |
 | broker messages received / sent | {b['messages_received']:.0f} / {b['messages_sent']:.0f} over {b['seconds']} s |
 | broker bytes received / sent | {mb(b['bytes_received'])} / {mb(b['bytes_sent'])} |
@@ -401,9 +498,14 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int, default=64 * 1024)
     ap.add_argument("--window", type=int, default=64, help="host: QoS 1 messages in flight")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--transport", choices=("mqtt", "url"), default="mqtt",
+                    help="mqtt: chunks on the fleet-wide topic; url: the host serves the bundle over HTTP on "
+                         "127.0.0.1 and the agents download it with Range requests")
     ap.add_argument("--gate-s", type=float, default=0.2, help="simulated health gate time")
     ap.add_argument("--p95-ms", type=float, default=5.0, help="p95 the simulated gate reports")
     ap.add_argument("--fail", default="", help="device ids whose gate fails")
+    ap.add_argument("--pad-kb", type=float, default=0, help="make the compiled bundle this much bigger "
+                    "(random bytes in a listed member), e.g. 1850 for a 2 MB bundle")
     ap.add_argument("--bundle", help="deploy this bundle (default: compile the zoo's dynamic_batch)")
     ap.add_argument("--seed-bundle", help="what the agents start with (with --bundle)")
     ap.add_argument("--pub", help="trusted public key (with --bundle)")

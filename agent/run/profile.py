@@ -42,17 +42,17 @@ MIN_RUNS_SLOW = 3
 
 def library_versions() -> dict:
     """The contract's library versions plus the Arm NN backends this machine really has."""
-    out = facts.library_versions()
-    try:
+    try:  # first: the executor imports pyarmnn quietly (23.08's prints on stdout), then it is cached
         from .executors import armnn
 
         ok, _ = armnn.available()
-        out["armnn_backends"] = armnn.backends() if ok else []
-        if not ok:
-            out["armnn"] = None
+        have = armnn.backends() if ok else []
     except Exception:
+        ok, have = False, []
+    out = facts.library_versions()
+    out["armnn_backends"] = have
+    if not ok:
         out["armnn"] = None
-        out["armnn_backends"] = []
     return out
 
 

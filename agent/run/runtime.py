@@ -48,6 +48,8 @@ class Subgraph:
     fallback_reason: str | None = None
     # Arm NN: compute layers per backend after Optimize (a layer CpuAcc lacks lands on CpuRef)
     layers: dict[str, int] | None = None
+    # Arm NN: the compute layers that did not land on ``backend``, "name (type) on backend" each
+    layers_elsewhere: list[str] | None = None
     calls: int = 0
     seconds: float = 0.0
     zero_copy: bool = False  # outputs written straight into the VM's buffers on the last call
@@ -145,9 +147,11 @@ class HybridModule:
         from .board import configure_tvm_threads
 
         configure_tvm_threads()
+        # tvm.runtime only (the VM included): in the agent's process tvm is the runtime library
+        # alone (agent/run/lean.py), where tvm.relax does not even import.
         import tvm
         import tvm_ffi
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine
 
         self._tmp = None
         if workdir is None:
@@ -181,6 +185,8 @@ class HybridModule:
                         continue
                     sg = Subgraph(symbol, kind, str(getattr(ex, "backend", "?")), "; ".join(reasons) or None,
                                   getattr(ex, "layer_counts", None))
+                    sg.layers_elsewhere = [f"{n} ({t}) on {b}" for n, t, b in getattr(ex, "layer_backends", ())
+                                           if t not in ("Input", "Output") and b != sg.backend] or None
                     if reasons:
                         log.warning("%s runs on %s (fallback: %s)", symbol, kind, sg.fallback_reason)
                     else:
@@ -196,7 +202,7 @@ class HybridModule:
             lib_path.write_bytes(bundle.read(self.manifest["targets"][self.target]["lib"]))
             self.dev = tvm.cpu()
             try:
-                self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+                self.vm = VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
             except Exception as err:
                 raise RuntimeError_(f"cannot load the {self.target} lib: {_first_line(err)}") from None
         except BaseException:
@@ -244,6 +250,8 @@ class HybridModule:
                 d["fallback_reason"] = s.fallback_reason
             if s.layers:
                 d["layers"] = dict(s.layers)
+            if s.layers_elsewhere:
+                d["layers_elsewhere"] = list(s.layers_elsewhere)
             if s.calls:
                 d.update(calls=s.calls, run_us=round(s.run_us(), 1), bridge_us=round(s.bridge_us(), 1),
                          zero_copy=s.zero_copy)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tandoor_contract import protocol
+from tandoor_contract import media, protocol
 from tandoor_contract.errors import TandoorError
 from ..run import executors
 
@@ -266,6 +266,17 @@ KEYS: tuple[Key, ...] = (
         "Video files: deliver at the frame rate like a camera (frames dropped when the model is slower); "
         "false: every frame, lock-step, as fast as the loop runs (benchmarks)."),
     Key("camera.loop", True, boolean, "Start a video file or image folder over at its end (false: the agent stops there)."),
+
+    # detectors: the bundle's decoder and thresholds (tandoor compile --decoder/--conf/...), overridden here
+    Key("postprocess.decoder", "auto", choice("auto", *media.DECODERS),
+        "Decoder of the model's outputs; auto: the bundle's (tandoor compile --decoder), else classifier or raw."),
+    Key("postprocess.conf", -1.0, number(-1.0, 1.0), "Score threshold 0..1; -1: the bundle's, else the decoder's default."),
+    Key("postprocess.iou", -1.0, number(-1.0, 1.0), "NMS IoU threshold 0..1; -1: the bundle's, else the decoder's default."),
+    Key("postprocess.max_det", 0, integer(0, 10000), "Detections per frame at most; 0: the bundle's, else the decoder's default."),
+    Key("snapshot.period_s", 10.0, number(0.0, 86400.0),
+        "Seconds between retained JPEG snapshots (the frame with its boxes) on <base>/snapshot; 0: only on "
+        "request (cmd snapshot)."),
+    Key("snapshot.quality", 80, integer(10, 100), "JPEG quality of the snapshots."),
 )
 KEY_BY_NAME = {k.name: k for k in KEYS}
 TABLES = sorted({k.name.rsplit(".", 1)[0] for k in KEYS if "." in k.name})
@@ -442,6 +453,14 @@ def committed_bundle(slot_dir: str | os.PathLike) -> tuple[Path, str | None]:
                           f"({type(e).__name__}: {e})") from None
     p = Path(rel)
     return (p if p.is_absolute() else d / p), slot
+
+
+def decoder_overrides(cfg: Config) -> dict:
+    """The postprocess.* keys that override the bundle's decoder options (the others are unset)."""
+    out = {k: cfg[f"postprocess.{k}"] for k in ("conf", "iou") if cfg[f"postprocess.{k}"] >= 0}
+    if cfg["postprocess.max_det"] > 0:
+        out["max_det"] = cfg["postprocess.max_det"]
+    return out
 
 
 def resolve_bundle(cfg: Config) -> tuple[Path, str | None]:

@@ -12,6 +12,8 @@ Topics, under ``<topic_prefix>/<device_id>/`` (docs/protocol.md has the payloads
                only after the broker acknowledged the previous: after an outage they arrive in
                order, nothing duplicated by the agent (a QoS 1 resend may duplicate one).
     results    QoS 0, the latest result, at most results_max_rate_hz; not buffered.
+    snapshot   retained, QoS 0: a JPEG of the latest frame with its boxes, every snapshot.period_s
+               and on the "snapshot" command.
     cmd        requests (the agent subscribes, QoS 1).
     response   default response topic, when a request names none.
 
@@ -96,6 +98,7 @@ class Link:
         self.connects = 0
         self.offline_dropped = 0
         self.results_sent = 0
+        self.snapshots_sent = 0
         self._will: dict = {}
         self._client: mqtt.Client | None = None
         self._thread: threading.Thread | None = None
@@ -195,7 +198,7 @@ class Link:
             self._cond.notify_all()
 
     def _on_message(self, client, userdata, msg) -> None:
-        if self.updater is not None and msg.topic.startswith(self.base + "/update/"):
+        if self.updater is not None and self.updater.wants(msg.topic):
             try:
                 self.updater.on_message(msg.topic, msg.payload, getattr(msg, "properties", None))
             except Exception:
@@ -292,6 +295,18 @@ class Link:
         if c is not None:
             c.publish(topic, payload, qos=qos, retain=retain)
 
+    def subscribe_raw(self, topic: str) -> None:
+        """For the updater: follow a job's fleet-wide chunk topic (re-subscribed at every connect
+        from ``updater.subscriptions``)."""
+        c = self._client
+        if c is not None:
+            c.subscribe(topic, qos=1)
+
+    def unsubscribe_raw(self, topic: str) -> None:
+        c = self._client
+        if c is not None:
+            c.unsubscribe(topic)
+
     def publish_status(self, status: dict) -> None:
         """A fresh birth message (state changed: running, model reloaded...). Only while connected;
         every (re)connect publishes one anyway."""
@@ -307,6 +322,24 @@ class Link:
                          properties=self._props(MessageExpiryInterval=RESULT_EXPIRY_S))
         ok = info.rc == mqtt.MQTT_ERR_SUCCESS
         self.results_sent += ok
+        return ok
+
+    # --- snapshots: a JPEG of the latest frame with its boxes (retained, like Frigate's) -----------
+    def publish_snapshot(self, jpeg: bytes, seq: int, detections: int) -> bool:
+        """The raw JPEG on ``<base>/snapshot``, retained, QoS 0 (only while connected: an old
+        picture is not worth queueing). MQTT 5: Content Type image/jpeg, the frame's seq and
+        detection count as user properties."""
+        c = self._client
+        if c is None or not self._connected:
+            return False
+        props = None
+        if self.protocol == "5":
+            props = Properties(PacketTypes.PUBLISH)
+            props.ContentType = "image/jpeg"
+            props.UserProperty = [("seq", str(seq)), ("detections", str(detections)), ("ts", f"{time.time():.3f}")]
+        info = c.publish(self.topic["snapshot"], jpeg, qos=0, retain=True, properties=props)
+        ok = info.rc == mqtt.MQTT_ERR_SUCCESS
+        self.snapshots_sent += ok
         return ok
 
     def publish_telemetry(self, snapshot: dict) -> int:
@@ -336,7 +369,7 @@ class Link:
     def stats(self) -> dict:
         return {"connected": self._connected, "protocol": self.protocol, "connects": self.connects,
                 "telemetry_buffered": len(self._queue), "telemetry_dropped_offline": self.offline_dropped,
-                "results_sent": self.results_sent}
+                "results_sent": self.results_sent, "snapshots_sent": self.snapshots_sent}
 
     # ------------------------------------------------------------------------ sender thread
     def _run(self) -> None:

@@ -8,7 +8,8 @@
                 r = pipe.process(frame)                   # Result: r.top, r.timings, r.to_json()
 
 Per-frame cost outside ``module.run`` is one ``cv2.resize``, one fused normalisation per channel
-into a reused input buffer, and a top-k over the output (see :class:`preprocess.Preprocessor`).
+into a reused input buffer, and the decoder (a top-k, or vectorised box decoding and OpenCV NMS).
+:func:`decode` runs the decoder alone on outputs computed elsewhere (`tandoor-agent run`, a board).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from tandoor_contract import media
+
 from . import postprocess as post
 from .camera import Frame, FrameSource
-from .preprocess import Preprocessor
+from .preprocess import Geometry, Preprocessor, input_geometry
 
 log = logging.getLogger("tandoor.pipeline")
 
@@ -68,6 +72,65 @@ def _labels_of(module, manifest: dict) -> list[str] | None:
         return None
 
 
+class Decoding:
+    """The postprocessing half of a pipeline: a decoder (by name, or a callable) with its context
+    and options resolved once: the manifest's ``postprocess`` under ``options`` (the agent config,
+    the command line). Also used alone on outputs computed elsewhere (:func:`decode`)."""
+
+    def __init__(self, manifest: dict, postprocessor=None, labels: list[str] | None = None, top_k: int = 5,
+                 options: dict | None = None, input_hw: tuple[int, int] = (0, 0)) -> None:
+        given = {k: v for k, v in (media.read_postprocess(manifest.get("postprocess")) or {}).items()
+                 if k != "decoder"}
+        overrides = {k: v for k, v in (options or {}).items() if v is not None}
+        if callable(postprocessor):
+            self.name = getattr(postprocessor, "__name__", "custom")
+            self.fn = postprocessor
+        else:
+            self.name = post.resolve(postprocessor, manifest)
+            self.fn = post.get(self.name)
+        if self.name in media.DECODERS:
+            hinted = (manifest.get("postprocess") or {}).get("decoder")
+            # options recorded for another decoder (the config chose a different one) do not apply
+            opts = media.decoder_options(self.name, {**(given if hinted in (None, self.name) else {}), **overrides})
+        else:
+            opts = {**given, **overrides}
+        self.ctx = post.Context(manifest=manifest, labels=labels, top_k=top_k, input_hw=tuple(input_hw),
+                                options=opts)
+
+    def __call__(self, outputs: list[np.ndarray], geometry: Geometry) -> dict:
+        self.ctx.frame_hw = tuple(geometry.frame_hw)
+        self.ctx.geometry = geometry
+        return self.fn(outputs, self.ctx)
+
+
+def decode(manifest: dict, outputs: list[np.ndarray], *, frame_hw: tuple[int, int] | None = None,
+           labels: list[str] | None = None, postprocessor=None, options: dict | None = None,
+           top_k: int = 5) -> dict:
+    """One frame's summary (what the service publishes on ``results``, less seq and timings)
+    from outputs computed elsewhere: ``tandoor-agent run``, a board's saved outputs. ``frame_hw``:
+    the image the input was made from (default: the input's own size, boxes in input pixels)."""
+    spec = (manifest.get("inputs") or [{}])[0]
+    layout, _, h, w = input_geometry(spec, manifest.get("preprocess"))
+    pre = media.read_preprocess(manifest.get("preprocess"))
+    geometry = Geometry.of(tuple(frame_hw or (h, w)), (h, w), pre["resize"], pre["align"])
+    dec = Decoding(manifest, postprocessor, labels, top_k, options, (h, w))
+    return dec([np.asarray(o) for o in outputs], geometry)
+
+
+def decode_saved(bundle: str | Path, outputs_dir: str | Path, *, frame_hw: tuple[int, int] | None = None,
+                 options: dict | None = None, top_k: int = 5) -> dict:
+    """:func:`decode` of ``tandoor-agent run --save-outputs DIR``'s ``output_<j>.npy`` files
+    with the bundle's manifest and labels: a board's outputs decoded anywhere (tests/board)."""
+    from tandoor_contract import hmod
+
+    with hmod.open_bundle(bundle) as b:
+        m = b.manifest
+        labels = b.read(m["labels"]).decode("utf-8", "replace").splitlines() if m.get("labels") else None
+    d = Path(outputs_dir)
+    outs = [np.load(d / f"output_{j}.npy", allow_pickle=False) for j in range(len(m["outputs"]))]
+    return decode(m, outs, frame_hw=frame_hw, labels=labels, options=options, top_k=top_k)
+
+
 class Pipeline:
     """Preprocess -> ``module.run`` -> postprocess for frames, with per-stage timings.
 
@@ -75,7 +138,8 @@ class Pipeline:
     :class:`runtime.HybridModule`); ``manifest``: its bundle manifest (default ``module.manifest``);
     ``postprocessor``: a registered name (``auto``, ``classifier``, ``yolov8``, ``raw``, ...) or a
     callable ``fn(outputs, ctx) -> dict``; ``labels``: default the bundle's labels.txt (read once,
-    here); ``resize``: see :data:`preprocess.RESIZE_METHODS`; ``options``: for the decoder.
+    here); ``resize``: see :data:`preprocess.RESIZE_METHODS`; ``options``: for the decoder, over
+    the manifest's (conf, iou, max_det, ...: tandoor_contract.media.DECODERS).
 
     The input tensor is one buffer reused for every frame (``module.run`` copies it into the
     runtime's own buffer); not thread-safe, one Pipeline per inference thread.
@@ -95,15 +159,10 @@ class Pipeline:
         self.pre = Preprocessor(inputs[0], manifest.get("preprocess"), resize=resize)
         self._input = self.pre.new_output()
         self.labels = labels if labels is not None else _labels_of(module, manifest)
-        if callable(postprocessor):
-            self.postprocessor_name = getattr(postprocessor, "__name__", "custom")
-            self._post = postprocessor
-        else:
-            self.postprocessor_name = post.resolve(postprocessor, manifest)
-            self._post = post.get(self.postprocessor_name)
+        self.decoding = Decoding(manifest, postprocessor, self.labels, top_k, options, (self.pre.height, self.pre.width))
+        self.postprocessor_name = self.decoding.name
+        self.ctx = self.decoding.ctx
         self.keep_raw = keep_raw
-        self.ctx = post.Context(manifest=manifest, labels=self.labels, top_k=top_k,
-                                input_hw=(self.pre.height, self.pre.width), options=dict(options or {}))
         self.frames = 0
 
     def preprocess(self, image: np.ndarray) -> np.ndarray:
@@ -118,8 +177,7 @@ class Pipeline:
         t1 = clock()
         outs = self.module.run([x])
         t2 = clock()
-        self.ctx.frame_hw = (frame.image.shape[0], frame.image.shape[1])
-        summary = self._post(outs, self.ctx)
+        summary = self.decoding(outs, self.pre.geometry(frame.image.shape[:2]))
         t3 = clock()
         self.frames += 1
         timings = {"capture": max(0.0, t_begin - frame.t_capture), "preprocess": t1 - t0,

@@ -2,7 +2,8 @@
 
     config -> MQTT link (will = offline) -> bundle (verified) -> HybridModule -> Pipeline -> camera
     loop:  commands -> watchdog -> latest frame -> pipeline.process -> telemetry.record per stage
-           -> results (rate-limited) -> telemetry (every telemetry_period_s)
+           (+ per-class counts) -> snapshot (every snapshot.period_s) -> results (rate-limited)
+           -> telemetry (every telemetry_period_s)
     SIGTERM/SIGINT: stop the camera, flush telemetry, publish status offline (retained), disconnect,
     exit 0.
 
@@ -82,7 +83,9 @@ class Model:
         try:
             self.module = HybridModule(self.bundle, delegate=cfg["delegate"],
                                        armnn_backends=tuple(cfg["armnn_backends"]))
-            self.pipeline = Pipeline(self.module, self.bundle.manifest, top_k=cfg["top_k"])
+            self.pipeline = Pipeline(self.module, self.bundle.manifest, top_k=cfg["top_k"],
+                                     postprocessor=cfg["postprocess.decoder"],
+                                     options=config_mod.decoder_overrides(cfg))
         except BaseException:
             self.close()
             raise
@@ -152,6 +155,7 @@ class Service:
         self.updater = None
         self._pending_swap: tuple[Model, threading.Event] | None = None
         self.swaps = 0
+        self.snapshots = None  # snapshot.Snapshots, once the link exists
 
     # ----------------------------------------------------------------------------- helpers
     def status(self) -> dict:
@@ -164,6 +168,8 @@ class Service:
             s["camera"] = self.source.name
         if self.error:
             s["error"] = self.error
+        if self.updater is not None and self.updater.notice:
+            s["update"] = self.updater.notice  # e.g. a crash loop rolled back at this start
         return s
 
     def request_stop(self, reason: str) -> None:
@@ -201,6 +207,11 @@ class Service:
                     self._next_tel = min(self._next_tel, time.monotonic() + result["telemetry_period_s"])
             elif cmd == "reload":
                 result = self._reload()
+            elif cmd == "snapshot":
+                result = self.snapshots.send() if self.snapshots is not None else None
+                if result is None:
+                    raise ServiceError("no snapshot: no frame processed yet, or the broker is not connected")
+                result["topic"] = self.link.topic["snapshot"]
             elif cmd in ("rollback", "update-status"):
                 if self.updater is None or self.updater.store is None:
                     raise ConfigError(f"{cmd} needs slot_dir (this agent serves an explicit bundle)")
@@ -213,7 +224,7 @@ class Service:
                     return
             else:
                 raise ConfigError(f"unknown command {cmd!r}; commands: ping, get-config, set-config, reload, "
-                                  f"rollback, update-status")
+                                  f"rollback, update-status, snapshot")
         except Exception as err:
             msg = " ".join(str(err).split()) or type(err).__name__
             log.warning("command %s refused: %s", cmd, msg)
@@ -243,6 +254,7 @@ class Service:
         """The update job handler (agent/update/jobs.py); with slot_dir it first recovers the slots
         (a trial left uncommitted is rolled back and reported once connected)."""
         from ..update.jobs import Updater
+        from ..update.slots import StateCorrupt
 
         cfg = self.cfg
         store = None
@@ -251,10 +263,14 @@ class Service:
 
             store = SlotStore(cfg["slot_dir"], cfg["trusted_keys"])
         up = Updater(store, cfg.topic_base, self.link.publish_raw, trusted_keys=cfg["trusted_keys"],
-                     delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"])
+                     delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"],
+                     subscribe=self.link.subscribe_raw, unsubscribe=self.link.unsubscribe_raw,
+                     served=lambda: self.frames)
         try:
             for note in up.recover():
                 log.warning("update recovery: %s", note)
+        except StateCorrupt:
+            raise  # nothing safe to serve: one line saying how to repair
         except Exception as err:
             log.error("slot recovery failed: %s", " ".join(str(err).split()))
         return up
@@ -340,6 +356,10 @@ class Service:
         self.notifier.status("opening the bundle")
         self.link = mqtt.Link(cfg, on_command=self.commands.put, status=self.status)
         self.link.set_identity(agent_version=agent_version())
+        from .snapshot import Snapshots
+
+        self.snapshots = Snapshots(self.link.publish_snapshot, cfg["snapshot.period_s"], cfg["snapshot.quality"],
+                                   connected=lambda: self.link.connected)
         self.updater = self._make_updater()
         self.link.updater = self.updater
         try:
@@ -432,6 +452,9 @@ class Service:
             self.consecutive_errors = 0
             for stage, seconds in result.timings.items():
                 tel.record(stage, seconds)
+            if result.outputs.get("kind") == "detector":  # per-class counts for telemetry
+                tel.objects.add([d["label"] for d in result.outputs["detections"]])
+            self.snapshots.offer(frame, result)
             dropped = src.dropped
             tel.frame(dropped=dropped - last_dropped)
             last_dropped = dropped

@@ -5,7 +5,7 @@ topic, :mod:`tandoor_agent.telemetry.power` for the power sources and
 :mod:`tandoor_agent.telemetry.thermal` for temperatures. Every sysfs reader takes a ``root`` so tests can point it at a fake tree.
 """
 
-from .metrics import STAGES, EnergyMeter, FpsMeter, LatencyStats, ProcessStats, StageTimer, Telemetry
+from .metrics import STAGES, EnergyMeter, FpsMeter, LatencyStats, ObjectCounts, ProcessStats, StageTimer, Telemetry
 from .power import (
     EstimatedPower,
     HwmonPower,
@@ -26,6 +26,7 @@ __all__ = [
     "Ina3221Hwmon",
     "Ina3221Iio",
     "LatencyStats",
+    "ObjectCounts",
     "PowerReader",
     "ProcessStats",
     "Rapl",

@@ -36,8 +36,11 @@ Snapshot layout (every value JSON-able; no NaN; ``null`` where there is nothing 
         "basis": "Rockchip RK3588: 2.5 W idle + 7.5 W x cpu load"   # only when estimated
       },
       "energy_j": 1234.5,              # integrated total power since start, J
-      "energy_per_inference_mj": 88.2  # mean power over the last power window x mean inference
+      "energy_per_inference_mj": 88.2, # mean power over the last power window x mean inference
                                        # latency, mJ (W x ms); null before both exist
+      "objects": {"frames": 125, "counts": {"face": 212}, "max": {"face": 3}, "mean": {"face": 1.7}}
+                                       # detections per class since the previous snapshot
+                                       # (ObjectCounts); null for models that are not detectors
     }
 
 Energy per inference is the board's mean power while inference runs times how long it runs: it
@@ -217,6 +220,44 @@ class EnergyMeter:
         return p * mean_inference_s * 1000.0
 
 
+class ObjectCounts:
+    """Detections per class over a window (the telemetry period): ``add(labels)`` once per
+    detector frame, ``take()`` returns the window and starts the next::
+
+        {"frames": 125, "counts": {"face": 212}, "max": {"face": 3}, "mean": {"face": 1.7}}
+
+    ``counts``: detections summed over the window's frames; ``max``: most in one frame;
+    ``mean``: per frame (``counts / frames``). None before any detector frame."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._frames = 0
+        self._counts: dict[str, int] = {}
+        self._max: dict[str, int] = {}
+        self.seen = False
+
+    def add(self, labels: list[str]) -> None:
+        from collections import Counter
+
+        frame = Counter(labels)
+        with self._lock:
+            self.seen = True
+            self._frames += 1
+            for k, n in frame.items():
+                self._counts[k] = self._counts.get(k, 0) + n
+                if n > self._max.get(k, 0):
+                    self._max[k] = n
+
+    def take(self) -> dict | None:
+        with self._lock:
+            if not self.seen:
+                return None
+            frames, counts, most = self._frames, self._counts, self._max
+            self._frames, self._counts, self._max = 0, {}, {}
+        return {"frames": frames, "counts": dict(sorted(counts.items())), "max": dict(sorted(most.items())),
+                "mean": {k: round(v / frames, 3) for k, v in sorted(counts.items())} if frames else {}}
+
+
 class Telemetry:
     """Everything the agent reports, fed from the loop and read as one :meth:`snapshot`.
 
@@ -237,6 +278,7 @@ class Telemetry:
         self.energy = EnergyMeter(self.power.estimated, energy_window_s, clock)
         self.power_interval = power_interval
         self.frames = self.dropped = self.errors = 0
+        self.objects = ObjectCounts()
         self._rails: dict[str, float] = {}
         self._total: float | None = None
         self._power_at: float | None = None
@@ -308,4 +350,5 @@ class Telemetry:
             "power": power,
             "energy_j": _r(self.energy.energy_j),
             "energy_per_inference_mj": _r(self.energy.per_inference_mj(self.latency.mean_s("inference"))),
+            "objects": self.objects.take(),
         }

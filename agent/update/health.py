@@ -379,4 +379,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from tandoor_agent.run import lean; lean.runtime_only()  # an agent process: TVM's runtime only, no torch
     sys.exit(main())

@@ -1,9 +1,13 @@
 """Fleet model updates over MQTT, the device side (docs/protocol.md, "Model updates").
 
-Topics under ``<prefix>/<device_id>/update/``::
+Topics under ``<prefix>/<device_id>/update/`` (and the fleet-wide chunk topic)::
 
     job                          -> device  a job offer (JSON; below)
-    chunk/<job_id>/<index>       -> device  one chunk of the bundle (binary, QoS 1)
+    chunk/<job_id>/<index>       -> device  one chunk of the bundle (binary, QoS 1): re-sends
+    <prefix>/~fleet/update/chunk/<job_id>/<index>
+                                 -> device  the same, once per wave for every device of the job
+    cancel                       -> device  {"job_id": ..., "reason": ...}: drop that job
+    keys                         -> device  a signed add-key / retire-key command (keys.py)
     ack                          device ->  progress and the final answer (JSON, QoS 1, retained)
     need                         device ->  chunk indices the device still misses (JSON, QoS 1)
 
@@ -11,32 +15,45 @@ The offer::
 
     {"job_id": "m-v2-1a2b3c4d", "sha256": "<whole bundle>", "size": 295276, "chunk_size": 65536,
      "n_chunks": 5, "chunk_sha256": ["<chunk 0>", ...], "deadline": 1718000600 | "2024-06-10T06:23:20Z",
+     "issued": 1718000000.0, "stall_timeout_s": 120, "allow_downgrade": false,
+     "transport": "mqtt" | "url", "url": "http://host:port/<sha>.hmod",
      "latency_budget_ms": 50, "health_frames": 20, "model": {"name", "version"}}
 
-A job goes: offer accepted (``received`` with count 0) -> chunks written at their offsets into
-``SlotStore.staging_path(job_id)`` (duplicates and any order are fine; every chunk's sha256 is
-checked, a bad one is asked for again at most ``max_chunk_retries`` times, then the job fails) ->
-``received`` (all chunks) -> whole-file sha256 and the bundle's signature, format and arch ->
-``verified`` -> ``SlotStore.install`` -> ``staged`` -> ``trial`` -> the health gate (golden
-self-test, p95 within the job's budget, no errors over N frames) -> ``committed`` (the agent
-swaps the new model in) or ``rolled_back`` (with the reason). Any refusal is ``failed`` with a
-``kind`` and a one-line ``reason``.
+A job goes through the states of ``tandoor_contract.protocol.JOB_STATES`` (every ack names one):
+offer accepted (``received`` with count 0; the device first subscribes to the job's fleet-wide
+chunk topic) -> chunks written at their offsets into ``SlotStore.staging_path(job_id)``
+(duplicates and any order are fine; every chunk's sha256 is checked, a bad one is asked for again
+at most ``max_chunk_retries`` times) -> ``received`` (all chunks) -> whole-file sha256, the
+bundle's signature, format and arch, and no downgrade -> ``verified`` -> ``SlotStore.install`` ->
+``staged`` -> ``trial`` -> the health gate -> ``committed`` (the agent swaps the new model in)
+or ``rolled_back``. A refusal is ``failed``, a cancel ``cancelled``; the ``kind`` of every final
+ack is one of ``protocol.KINDS``, which also says whether it is recorded (the same job offered
+again gets the same answer, ``repeated: true``) or transient (the job may be offered again).
 
-Missing chunks are asked for on ``need`` when nothing arrived for ``need_interval_s`` (backing
-off to 30 s), right after a reconnect, and when a chunk fails its check, so a transfer resumes
-after a disconnect, a broker restart or an agent restart (the offer is persisted under
-``<slot_dir>/updates/`` and the partial file re-checked chunk by chunk).
+Transports. ``mqtt`` (the default): chunks arrive on the fleet-wide topic, once per wave; the
+device asks on ``need`` for what it misses when nothing arrived for ``need_interval_s`` (backing
+off to 30 s), right after a reconnect and when a chunk fails its check, and the host re-sends
+those on the device's own topic. ``url``: the device downloads the bundle itself with HTTP Range
+requests from the first chunk it lacks, checking each chunk as it comes, and resumes the same
+way after any error (retrying with backoff). Either way a transfer survives a disconnect, a
+broker restart or an agent restart (the offer is persisted under ``<slot_dir>/updates/`` and the
+partial file re-checked chunk by chunk).
 
-One job at a time: an offer while another job runs is refused (``failed``, kind ``busy``,
-"busy: job X running"), not queued; the host may offer it again later. The same job again gets
-the recorded final ack again (``repeated: true``) and changes nothing. A job whose deadline has
-passed is refused (``stale``); MQTT 5 message expiry makes the broker drop a stale offer itself.
+One job at a time. An offer while another job downloads supersedes it when it was issued later
+(the old one ends ``cancelled``, kind ``superseded``); otherwise it is refused ``busy``, naming
+the running job, its progress and when it expires. A job that made no progress for its stall
+timeout (the offer's ``stall_timeout_s``, else the agent's) is dropped (``failed``, ``stalled``),
+so a dead host never wedges a device; ``tandoor fleet cancel`` drops it at once. A job whose
+deadline has passed is refused (``stale``); MQTT 5 message expiry makes the broker drop a stale
+offer itself.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
+import http.client
 import json
 import logging
 import math
@@ -47,13 +64,18 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandoor_contract import durable, protocol
-from tandoor_contract.protocol import FINAL_STATES
+from tandoor_contract import durable, hmod, protocol
 from tandoor_contract.errors import TandoorError
+
+from . import health
+from .keys import Keyring, KeyOpError
+from .slots import Busy, InstallRefused, refusal_from
 
 log = logging.getLogger("tandoor.updater")
 
@@ -62,8 +84,13 @@ MAX_CHUNK_BYTES = 4 << 20           # one chunk
 MAX_BUNDLE_BYTES = 4 << 30          # the whole bundle
 MAX_CHUNKS = 100_000
 MAX_NEED_LIST = 512                 # indices per need message
+MAX_STALL_S = 7 * 86400
 FINALS_KEPT = 64
+DOWNLOAD_QUEUE = 8                  # chunks a URL download may have waiting for the worker
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+TRANSPORTS = ("mqtt", "url")
+BOOT_ATTEMPTS = 3                   # starts a new commit may die in before it is rolled back
+CONFIRM_FRAMES = 10                 # frames a new commit serves before its starts stop counting
 CRASH_ENV = "TANDOOR_UPDATE_CRASH_AT"  # tests: SIGKILL the agent right after acking this state
 
 
@@ -94,55 +121,77 @@ def parse_deadline(v: Any) -> float | None:
     raise ValueError("deadline must be epoch seconds or ISO-8601")
 
 
+def iso(epoch: float) -> str:
+    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
 def parse_offer(payload: bytes) -> dict[str, Any]:
     """Validate a job offer; raises JobError("malformed", ...) naming the first problem."""
-    if len(payload) > MAX_OFFER_BYTES:
-        raise JobError("malformed", f"offer of {len(payload)} bytes is over the {MAX_OFFER_BYTES} byte limit")
     try:
-        o = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise JobError("malformed", f"malformed job: not JSON ({e})") from None
-    if not isinstance(o, dict):
-        raise JobError("malformed", "malformed job: the offer must be a JSON object")
+        o = protocol.json_object(payload, MAX_OFFER_BYTES, "the offer")
+    except ValueError as e:
+        raise JobError("malformed", f"malformed job: {e}") from None
     jid = o.get("job_id")
     if not isinstance(jid, str) or not JOB_ID_RE.match(jid):
         raise JobError("malformed", "malformed job: job_id must be 1-100 of A-Z a-z 0-9 . _ -")
 
+    def bad(msg: str) -> JobError:
+        return JobError("malformed", f"malformed job: {msg}")
+
     def need_int(k, lo, hi):
         v = o.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise JobError("malformed", f"malformed job: {k} must be an integer in {lo}..{hi}, got {v!r}")
+            raise bad(f"{k} must be an integer in {lo}..{hi}, got {v!r}")
         return v
+
+    def opt_number(k, lo, hi):
+        v = o.get(k)
+        if v is None:
+            return None
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not lo < v <= hi:
+            raise bad(f"{k} must be a number in ({lo}, {hi}], got {v!r}")
+        return float(v)
 
     size = need_int("size", 1, MAX_BUNDLE_BYTES)
     cs = need_int("chunk_size", 1, MAX_CHUNK_BYTES)
     n = need_int("n_chunks", 1, MAX_CHUNKS)
     if n != -(-size // cs):
-        raise JobError("malformed", f"malformed job: n_chunks {n} does not fit size {size} / chunk_size {cs}")
+        raise bad(f"n_chunks {n} does not fit size {size} / chunk_size {cs}")
     sha = o.get("sha256")
     if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
-        raise JobError("malformed", "malformed job: sha256 must be 64 lowercase hex digits")
+        raise bad("sha256 must be 64 lowercase hex digits")
     shas = o.get("chunk_sha256")
     if not isinstance(shas, list) or len(shas) != n or not all(
             isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in shas):
-        raise JobError("malformed", f"malformed job: chunk_sha256 must be {n} sha256 hex strings")
+        raise bad(f"chunk_sha256 must be {n} sha256 hex strings")
     try:
         o["_deadline"] = parse_deadline(o.get("deadline"))
     except (ValueError, TypeError) as e:
-        raise JobError("malformed", f"malformed job: deadline: {e}") from None
-    for k in ("latency_budget_ms",):
-        v = o.get(k)
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
-            raise JobError("malformed", f"malformed job: {k} must be a positive number")
+        raise bad(f"deadline: {e}") from None
+    opt_number("latency_budget_ms", 0, 1e9)
+    o["_stall_s"] = opt_number("stall_timeout_s", 0, MAX_STALL_S)
+    o["_issued"] = opt_number("issued", 0, 1e11) or 0.0
     hf = o.get("health_frames", 20)
     if not isinstance(hf, int) or isinstance(hf, bool) or not 0 <= hf <= 100_000:
-        raise JobError("malformed", "malformed job: health_frames must be an integer in 0..100000")
+        raise bad("health_frames must be an integer in 0..100000")
     o["health_frames"] = hf
+    if not isinstance(o.get("allow_downgrade", False), bool):
+        raise bad("allow_downgrade must be true or false")
+    transport = o.get("transport", "mqtt")
+    if transport not in TRANSPORTS:
+        raise bad(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    o["transport"] = transport
+    if transport == "url":
+        url = o.get("url")
+        if not isinstance(url, str) or not re.match(r"^https?://[^\s/]+", url) or len(url) > 4096:
+            raise bad("url must be an http:// or https:// URL (at most 4096 characters)")
     return o
 
 
 class _Job:
-    def __init__(self, offer: dict[str, Any], path: Path) -> None:
+    """One accepted job: its offer, its partial file, what has arrived."""
+
+    def __init__(self, offer: dict[str, Any], path: Path, stall_s: float) -> None:
         self.offer = offer
         self.id: str = offer["job_id"]
         self.size: int = offer["size"]
@@ -150,17 +199,23 @@ class _Job:
         self.n: int = offer["n_chunks"]
         self.shas: list[str] = offer["chunk_sha256"]
         self.deadline: float | None = offer.get("_deadline")
+        self.issued: float = offer.get("_issued") or 0.0
+        self.stall_s: float = offer.get("_stall_s") or stall_s
+        self.transport: str = offer.get("transport", "mqtt")
         self.path = path
+        self.state = "received"          # the last state acked
         self.received: set[int] = set()
         self.bad: dict[int, int] = {}
         self.fd: int | None = None
         self.finishing = False
+        self.ended = threading.Event()
         self.t_start = time.monotonic()
         self.last_progress = time.monotonic()
         self.last_need = 0.0
         self.need_backoff = 0.0
-        self.chunks_in = 0
         self.duplicates = 0
+        self.last_error: str | None = None  # the URL download's last failure
+        self.fetched: set[int] = set()      # chunks the URL download handed to the worker
 
     def chunk_len(self, i: int) -> int:
         return self.chunk_size if i < self.n - 1 else self.size - self.chunk_size * (self.n - 1)
@@ -168,40 +223,62 @@ class _Job:
     def missing(self) -> list[int]:
         return [i for i in range(self.n) if i not in self.received]
 
+    def expires_at(self) -> float:
+        """Epoch seconds when this job ends by itself: its deadline, or a stall."""
+        stall = time.time() + self.stall_s - (time.monotonic() - self.last_progress)
+        return min(stall, self.deadline) if self.deadline is not None else stall
+
+    def describe(self) -> str:
+        return (f"job {self.id} running ({self.state}, {len(self.received)} of {self.n} chunks; "
+                f"expires {iso(self.expires_at())} unless it progresses)")
+
 
 class Updater:
     """The device side of update jobs. Transport-agnostic: ``publish(topic, payload: bytes,
-    qos, retain)`` sends, :meth:`on_message` receives (call it from the MQTT thread; it only
-    queues), :meth:`on_connected` after every (re)connect.
+    qos, retain)`` sends, ``subscribe(topic)`` / ``unsubscribe(topic)`` follow a job's fleet-wide
+    chunk topic, :meth:`on_message` receives (call it from the MQTT thread; it only queues),
+    :meth:`on_connected` after every (re)connect (subscribing :attr:`subscriptions` first).
 
     ``gate(store, trusted_keys, latency_budget_ms=, frames=, delegate=)`` decides commit or
-    rollback (default: agent.health.gate, the check in a child process). ``swap(timeout)``,
-    called after a commit, loads the newly committed slot into the serving loop and returns when
-    it serves (raise to refuse: the commit is then rolled back)."""
+    rollback (default: health.gate, the check in a child process). ``swap()``, called after a
+    commit, loads the newly committed slot into the serving loop and returns when it serves
+    (raise to refuse: the commit is then rolled back). ``trusted_keys`` is kept current by the
+    keyring (keys.py: signed add-key / retire-key commands), in place."""
 
     def __init__(self, store, base: str, publish: Callable[..., Any],
-                 trusted_keys: Iterable[Any] = (), delegate: str = "auto",
+                 trusted_keys: list[Any] | None = None, delegate: str = "auto",
                  gate: Callable[..., Any] | None = None, swap: Callable[[], Any] | None = None,
                  device_id: str | None = None, need_interval_s: float = 2.0,
                  max_chunk_retries: int = 3, stall_timeout_s: float = 600.0,
-                 health_timeout_s: float = 300.0) -> None:
+                 health_timeout_s: float = 300.0, subscribe: Callable[[str], Any] | None = None,
+                 unsubscribe: Callable[[str], Any] | None = None, served: Callable[[], int] | None = None,
+                 boot_attempts: int = BOOT_ATTEMPTS, confirm_frames: int = CONFIRM_FRAMES) -> None:
         self.store = store
         self.base = base
+        self.prefix = base.rsplit("/", 1)[0]
         self.device_id = device_id or base.rsplit("/", 1)[-1]
         self.publish = publish
-        self.trusted_keys = list(trusted_keys)
+        self.subscribe = subscribe
+        self.unsubscribe = unsubscribe
+        self.dir = Path(store.dir) / "updates" if store is not None else None
+        if not isinstance(trusted_keys, list):  # the keyring updates the caller's list in place
+            trusted_keys = list(trusted_keys or ())
+        self.keys = Keyring(trusted_keys,
+                            Path(store.dir) / "keys" if store is not None else None)
+        self.trusted_keys = self.keys.trusted   # the live list (paths and keys)
         self.delegate = delegate
-        self.gate = gate
+        self.gate = gate or functools.partial(health.gate, timeout_s=health_timeout_s)
         self.swap = swap
         self.need_interval_s = need_interval_s
         self.max_chunk_retries = max_chunk_retries
         self.stall_timeout_s = stall_timeout_s
-        self.health_timeout_s = health_timeout_s
-        self.topic_job = f"{base}/{protocol.UPDATE_JOB}"
-        self.topic_chunk = f"{base}/{protocol.UPDATE_CHUNK}/"
-        self.topic_ack = f"{base}/{protocol.UPDATE_ACK}"
-        self.topic_need = f"{base}/{protocol.UPDATE_NEED}"
-        self.subscriptions = [self.topic_job, self.topic_chunk + "#"]
+        self.topic = {leaf: protocol.topic(self.prefix, self.device_id, leaf) for leaf in (
+            protocol.UPDATE_JOB, protocol.UPDATE_CHUNK, protocol.UPDATE_ACK, protocol.UPDATE_NEED,
+            protocol.UPDATE_CANCEL, protocol.UPDATE_KEYS)}
+        self.served = served              # frames served so far (the crash-loop counter needs it)
+        self.boot_attempts, self.confirm_frames = boot_attempts, confirm_frames
+        self._boot_base: int | None = None  # frames served when the unconfirmed commit started serving
+        self.notice: dict | None = None     # for the next birth message: a crash loop rolled back
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.RLock()
         self._active: _Job | None = None
@@ -209,8 +286,34 @@ class Updater:
         self._finals: dict[str, dict] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.dir = Path(store.dir) / "updates" if store is not None else None
-        self.counters = {"offers": 0, "chunks": 0, "duplicates": 0, "bad_chunks": 0, "needs": 0, "acks": 0}
+        self.counters = {"offers": 0, "chunks": 0, "duplicates": 0, "bad_chunks": 0, "needs": 0, "acks": 0,
+                         "downloads": 0, "download_errors": 0}
+
+    # ------------------------------------------------------------------------ topics
+    @property
+    def subscriptions(self) -> list[str]:
+        """What to subscribe to at every (re)connect: the device's topics, and the running
+        job's fleet-wide chunks."""
+        subs = [self.topic[protocol.UPDATE_JOB], self.topic[protocol.UPDATE_CHUNK] + "/#",
+                self.topic[protocol.UPDATE_CANCEL], self.topic[protocol.UPDATE_KEYS]]
+        a = self._active
+        if a is not None and a.transport == "mqtt" and not a.finishing:
+            subs.append(protocol.group_chunk_filter(self.prefix, a.id))
+        return subs
+
+    def wants(self, topic: str) -> bool:
+        """Whether an incoming message is the updater's (the link routes it here)."""
+        return topic.startswith(self.base + "/update/") or topic.startswith(
+            f"{self.prefix}/{protocol.FLEET_LEVEL}/{protocol.UPDATE_CHUNK}/")
+
+    def _follow(self, job: _Job, on: bool) -> None:
+        fn = self.subscribe if on else self.unsubscribe
+        if fn is None or job.transport != "mqtt":
+            return
+        try:
+            fn(protocol.group_chunk_filter(self.prefix, job.id))
+        except Exception as e:  # offline: the next connect subscribes from `subscriptions`
+            log.warning("cannot %s the chunks of job %s: %s", "subscribe to" if on else "unsubscribe from", job.id, e)
 
     # ------------------------------------------------------------------------ lifecycle
     def recover(self) -> list[str]:
@@ -220,32 +323,25 @@ class Updater:
             return []
         self.dir.mkdir(parents=True, exist_ok=True)
         self._load_finals()
+        self.keys.load()
+        self.store.trusted_keys = self.trusted_keys
         before = self.store.load().get("trial")
         notes = self.store.recover_on_start()
         for n in notes:
             log.warning("slot recovery: %s", n)
+        if self.served is not None:
+            self._count_boot(notes)
         if before and before.get("job_id"):
             jid = before["job_id"]
             rec = self.store.job(jid) or {}
             self._final(jid, "rolled_back", rec.get("reason") or "the agent restarted before the trial was committed",
                         kind="restarted", publish_now=False)
         for p in sorted(self.dir.glob("*.offer.json")):
-            try:
-                offer = json.loads(p.read_text())
-                offer["_deadline"] = parse_deadline(offer.get("deadline"))
-            except Exception:
-                p.unlink(missing_ok=True)
-                continue
-            jid = offer.get("job_id")
-            if jid in self._finals or self._active is not None:
-                p.unlink(missing_ok=True)
-                self.store.staging_path(jid).unlink(missing_ok=True)
-                continue
-            job = _Job(offer, self.store.staging_path(jid))
-            self._rescan(job)
-            self._active = job
-            log.info("resuming job %s: %d of %d chunks on disk", jid, len(job.received), job.n)
-            notes.append(f"resumed job {jid} ({len(job.received)}/{job.n} chunks)")
+            job = self._resumable(p)
+            if job is not None:
+                self._active = job
+                log.info("resuming job %s: %d of %d chunks on disk", job.id, len(job.received), job.n)
+                notes.append(f"resumed job {job.id} ({len(job.received)}/{job.n} chunks)")
         keep = [self._active.id] if self._active else []
         try:
             self.store.clean_staging(keep)
@@ -253,11 +349,51 @@ class Updater:
             pass
         return notes
 
+    def _count_boot(self, notes: list[str]) -> None:
+        """A committed model that has not served yet counts this start; past the limit it is
+        rolled back and reported (the final ack once connected, and the birth message)."""
+        r = self.store.begin_boot(self.boot_attempts)
+        if r is not None:
+            self._final(r["job_id"], "rolled_back", r["reason"], kind="crash_loop", publish_now=False,
+                        slot=r["slot"], attempts=r["attempts"])
+            self.notice = {"rolled_back": r["job_id"], "kind": "crash_loop", "reason": r["reason"],
+                           "slot": r["slot"], "serving": r["to"], "attempts": r["attempts"]}
+            notes.append(r["reason"])
+        if self.store.boot_pending():
+            self._boot_base = 0
+
+    def _confirm_boot(self) -> None:
+        if self._boot_base is not None and self.served is not None and \
+                self.served() - self._boot_base >= self.confirm_frames:
+            self._boot_base = None
+            self.store.confirm_boot()
+            log.info("the committed model served %d frames: confirmed", self.confirm_frames)
+
+    def _resumable(self, p: Path) -> _Job | None:
+        """The persisted offer at ``p`` as a job to resume, or None (and the files removed)."""
+        try:
+            offer = parse_offer(p.read_bytes())
+        except (OSError, JobError):
+            p.unlink(missing_ok=True)
+            return None
+        jid = offer["job_id"]
+        if jid in self._finals or self._active is not None:
+            p.unlink(missing_ok=True)
+            self.store.staging_path(jid).unlink(missing_ok=True)
+            return None
+        job = _Job(offer, self.store.staging_path(jid), self.stall_timeout_s)
+        self._rescan(job)
+        return job
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="tandoor-updater", daemon=True)
         self._thread.start()
-        if self._active is not None and len(self._active.received) == self._active.n:
-            self._q.put(("complete", self._active.id))
+        a = self._active
+        if a is not None:
+            if len(a.received) == a.n:
+                self._q.put(("complete", a.id))
+            elif a.transport == "url":
+                self._start_download(a)
 
     def stop(self) -> None:
         """The agent is stopping: a health check in progress is killed and its outcome not
@@ -265,8 +401,6 @@ class Updater:
         as after a crash)."""
         self._stop = True
         self._q.put(("stop",))
-        from . import health
-
         health.stop_running()
 
     @property
@@ -276,20 +410,33 @@ class Updater:
 
     # ------------------------------------------------------------------- MQTT callbacks
     def on_message(self, topic: str, payload: bytes, properties: Any = None) -> None:
-        if topic == self.topic_job:
+        t = self.topic
+        if topic == t[protocol.UPDATE_JOB]:
             self._q.put(("offer", bytes(payload)))
-        elif topic.startswith(self.topic_chunk):
-            self._q.put(("chunk", topic[len(self.topic_chunk):], bytes(payload)))
+        elif topic == t[protocol.UPDATE_CANCEL]:
+            self._q.put(("cancel", bytes(payload)))
+        elif topic == t[protocol.UPDATE_KEYS]:
+            self._q.put(("keys", bytes(payload)))
+        elif topic.startswith(t[protocol.UPDATE_CHUNK] + "/"):
+            self._q.put(("chunk", topic[len(t[protocol.UPDATE_CHUNK]) + 1:], bytes(payload)))
+        elif self.wants(topic):
+            rest = topic.split(f"/{protocol.FLEET_LEVEL}/{protocol.UPDATE_CHUNK}/", 1)[-1]
+            self._q.put(("chunk", rest, bytes(payload)))
 
     def on_connected(self) -> None:
         self._q.put(("connected",))
 
     # --------------------------------------------------------------------------- sending
     def _ack(self, job_id: str | None, state: str, **fields: Any) -> dict:
+        if state not in protocol.JOB_STATES:  # a state exists in the contract or nowhere
+            raise ValueError(f"{state!r} is not a job state of tandoor_contract.protocol.JOB_STATES")
         body = {"job_id": job_id, "device_id": self.device_id, "state": state,
                 "ts": round(time.time(), 3), **{k: v for k, v in fields.items() if v is not None}}
-        self._send(self.topic_ack, body, retain=True)
+        self._send(self.topic[protocol.UPDATE_ACK], body, retain=True)
         self.counters["acks"] += 1
+        a = self._active
+        if a is not None and a.id == job_id:
+            a.state = state
         log.info("job %s: %s%s", job_id, state, f" ({fields['reason']})" if fields.get("reason") else "")
         crash = os.environ.get(CRASH_ENV)
         if crash and crash == state and (state != "received" or fields.get("missing") == 0):
@@ -305,16 +452,19 @@ class Updater:
         except Exception as e:  # offline: paho queues QoS 1; anything else is only logged
             log.warning("cannot publish on %s: %s", topic, e)
 
-    def _need(self, job: _Job) -> None:
-        miss = job.missing()
-        if not miss:
+    def _need(self, job: _Job, bad: list[int] | None = None, reconnected: bool = False) -> None:
+        miss = bad or job.missing()
+        if not miss or job.transport != "mqtt":
             return
-        job.last_need = time.monotonic()
-        job.need_backoff = min(30.0, max(self.need_interval_s, job.need_backoff * 2 or self.need_interval_s))
+        if bad is None:
+            job.last_need = time.monotonic()
+            job.need_backoff = min(30.0, max(self.need_interval_s, job.need_backoff * 2 or self.need_interval_s))
         self.counters["needs"] += 1
-        self._send(self.topic_need, {"job_id": job.id, "device_id": self.device_id,
-                                     "missing": miss[:MAX_NEED_LIST], "n_missing": len(miss),
-                                     "count": len(job.received), "n_chunks": job.n, "ts": round(time.time(), 3)})
+        self._send(self.topic[protocol.UPDATE_NEED], {
+            "job_id": job.id, "device_id": self.device_id, "missing": miss[:MAX_NEED_LIST],
+            "n_missing": job.n - len(job.received), "count": len(job.received), "n_chunks": job.n,
+            **({"bad": bad} if bad else {}), **({"reconnected": True} if reconnected else {}),
+            "ts": round(time.time(), 3)})
 
     # ----------------------------------------------------------------------- final acks
     def _finals_path(self) -> Path:
@@ -340,11 +490,15 @@ class Updater:
             log.warning("cannot record the final ack: %s", e)
 
     def _final(self, job_id: str | None, state: str, reason: str | None, kind: str | None = None,
-               record: bool = True, publish_now: bool = True, **fields: Any) -> None:
+               publish_now: bool = True, **fields: Any) -> None:
+        """A final ack; recorded for the same job again unless ``protocol.KINDS`` says the kind
+        is transient."""
+        if not protocol.is_final(state):
+            raise ValueError(f"{state!r} is not a final job state")
         body = {"job_id": job_id, "device_id": self.device_id, "state": state, "reason": reason,
                 "kind": kind, "ts": round(time.time(), 3), **fields}
         body = {k: v for k, v in body.items() if v is not None}
-        if record and job_id is not None:
+        if job_id is not None and protocol.recorded(kind):
             self._finals[job_id] = body
             self._save_finals()
         if publish_now:
@@ -353,7 +507,23 @@ class Updater:
         else:
             self._pending_acks.append(body)
 
+    def _recorded_final(self, jid: str) -> dict | None:
+        done = self._finals.get(jid)
+        if done is None and self.store is not None:
+            rec = self.store.job(jid)
+            if rec and protocol.is_final(rec.get("outcome") or ""):
+                done = {"job_id": jid, "device_id": self.device_id, "state": rec["outcome"],
+                        "reason": rec.get("reason"), "kind": rec.get("kind"), "sha256": rec.get("sha256")}
+        return done
+
+    def _repeat_final(self, done: dict) -> None:
+        log.info("job %s again: answering with its final ack (%s)", done["job_id"], done["state"])
+        self._ack(done["job_id"], done["state"], **{k: v for k, v in done.items()
+                                                    if k not in ("job_id", "device_id", "state", "ts")},
+                  repeated=True)
+
     def _end_job(self, job: _Job, keep_part: bool = False) -> None:
+        job.ended.set()
         if job.fd is not None:
             try:
                 os.close(job.fd)
@@ -367,36 +537,23 @@ class Updater:
         with self._lock:
             if self._active is job:
                 self._active = None
+        self._follow(job, False)
 
     # ---------------------------------------------------------------------------- worker
     def _run(self) -> None:
+        handlers = {"offer": self._on_offer, "chunk": self._on_chunk, "data": self._on_data,
+                    "cancel": self._on_cancel, "keys": self._on_keys, "connected": self._on_reconnect,
+                    "complete": self._on_complete, "tick": lambda: None}
         while not self._stop:
             try:
                 ev = self._q.get(timeout=0.5)
             except queue.Empty:
                 ev = ("tick",)
+            if ev[0] == "stop":
+                return
             try:
-                kind = ev[0]
-                if kind == "stop":
-                    return
-                if kind == "offer":
-                    self._on_offer(ev[1])
-                elif kind == "chunk":
-                    self._on_chunk(ev[1], ev[2])
-                elif kind == "connected":
-                    pending, self._pending_acks = self._pending_acks, []
-                    for body in pending:
-                        self._ack(body["job_id"], body["state"], **{k: v for k, v in body.items()
-                                                                    if k not in ("job_id", "device_id", "state", "ts")})
-                    a = self._active
-                    if a is not None and not a.finishing:
-                        if not a.received:
-                            self._ack(a.id, "received", count=0, n_chunks=a.n, missing=a.n)
-                        self._need(a)
-                elif kind == "complete":
-                    a = self._active
-                    if a is not None and a.id == ev[1] and not a.finishing:
-                        self._complete(a)
+                handlers[ev[0]](*ev[1:])
+                self._confirm_boot()
                 self._tick()
             except Exception as e:  # never let one message take the updater down
                 log.exception("update worker: %s", e)
@@ -404,6 +561,22 @@ class Updater:
                 if a is not None and not a.finishing:
                     self._final(a.id, "failed", f"internal error: {e}", kind="internal")
                     self._end_job(a)
+
+    def _on_reconnect(self) -> None:
+        pending, self._pending_acks = self._pending_acks, []
+        for body in pending:
+            self._ack(body["job_id"], body["state"], **{k: v for k, v in body.items()
+                                                        if k not in ("job_id", "device_id", "state", "ts")})
+        a = self._active
+        if a is not None and not a.finishing:
+            if not a.received:
+                self._ack(a.id, "received", count=0, n_chunks=a.n, missing=a.n)
+            self._need(a, reconnected=True)  # a new session: chunks sent while away are lost
+
+    def _on_complete(self, jid: str) -> None:
+        a = self._active
+        if a is not None and a.id == jid and not a.finishing:
+            self._complete(a)
 
     def _tick(self) -> None:
         a = self._active
@@ -415,40 +588,30 @@ class Updater:
                         kind="expired", count=len(a.received), n_chunks=a.n)
             self._end_job(a)
             return
-        if now - a.last_progress > self.stall_timeout_s:
-            self._final(a.id, "failed", f"transfer stalled: no chunk for {self.stall_timeout_s:g} s "
-                        f"({len(a.received)} of {a.n} received)", kind="stalled", record=False)
+        if now - a.last_progress > a.stall_s:
+            why = f"; the download's last error: {a.last_error}" if a.last_error else ""
+            self._final(a.id, "failed", f"transfer stalled: no progress for {a.stall_s:g} s "
+                        f"({len(a.received)} of {a.n} chunks received){why}; the job was dropped",
+                        kind="download" if a.last_error else "stalled", count=len(a.received), n_chunks=a.n)
             self._end_job(a)
             return
         wait = max(self.need_interval_s, a.need_backoff)
-        if now - a.last_progress >= self.need_interval_s and now - a.last_need >= wait:
+        idle = self._q.empty()  # chunks still queued here are not missing, only not yet written
+        if idle and now - a.last_progress >= self.need_interval_s and now - a.last_need >= wait:
             self._need(a)
 
+    # ---------------------------------------------------------------------------- offers
     def _on_offer(self, payload: bytes) -> None:
         self.counters["offers"] += 1
         try:
             offer = parse_offer(payload)
         except JobError as e:
-            jid = None
-            try:
-                o = json.loads(payload.decode("utf-8"))
-                if isinstance(o, dict) and isinstance(o.get("job_id"), str) and JOB_ID_RE.match(o["job_id"]):
-                    jid = o["job_id"]
-            except Exception:
-                pass
-            self._final(jid, "failed", str(e), kind=e.kind, record=False)
+            self._final(_job_id_of(payload), "failed", str(e), kind=e.kind)
             return
         jid = offer["job_id"]
-        done = self._finals.get(jid)
-        if done is None and self.store is not None:
-            rec = self.store.job(jid)
-            if rec and rec.get("outcome") in FINAL_STATES:
-                done = {"job_id": jid, "device_id": self.device_id, "state": rec["outcome"],
-                        "reason": rec.get("reason"), "kind": rec.get("kind"), "sha256": rec.get("sha256")}
+        done = self._recorded_final(jid)
         if done is not None:
-            log.info("job %s again: answering with its final ack (%s)", jid, done["state"])
-            self._ack(jid, done["state"], **{k: v for k, v in done.items()
-                                             if k not in ("job_id", "device_id", "state", "ts")}, repeated=True)
+            self._repeat_final(done)
             return
         a = self._active
         if a is not None:
@@ -457,47 +620,65 @@ class Updater:
                     self._ack(jid, "received", count=len(a.received), n_chunks=a.n, missing=a.n - len(a.received))
                     self._need(a)
                 return
-            self._final(jid, "failed", f"busy: job {a.id} running", kind="busy", record=False, running=a.id)
+            if a.finishing or offer["_issued"] <= a.issued:
+                self._final(jid, "failed", f"busy: {a.describe()}", kind="busy", running=a.id,
+                            running_expires=round(a.expires_at(), 3))
+                return
+            self._final(a.id, "cancelled", f"superseded by job {jid}, issued later", kind="superseded",
+                        superseded_by=jid, count=len(a.received), n_chunks=a.n)
+            self._end_job(a)
+        refusal = self._refusal(offer)
+        if refusal is not None:
+            self._final(jid, "failed", refusal[1], kind=refusal[0])
             return
+        self._accept(offer)
+
+    def _refusal(self, offer: dict) -> tuple[str, str] | None:
+        """(kind, reason) when this device cannot take the offer now."""
         if self.store is None:
-            self._final(jid, "failed", "updates need slot_dir: this agent serves an explicit bundle",
-                        kind="not_supported", record=False)
-            return
+            return "not_supported", "updates need slot_dir: this agent serves an explicit bundle"
         if offer["_deadline"] is not None and time.time() > offer["_deadline"]:
-            self._final(jid, "failed", f"stale: the job's deadline {offer.get('deadline')} has passed", kind="stale")
-            return
-        if self.store.trial() is not None:
-            t = self.store.trial()
-            self._final(jid, "failed", f"busy: job {t.get('job_id')} running (in trial)", kind="busy", record=False)
-            return
+            return "stale", f"stale: the job's deadline {offer.get('deadline')} has passed"
+        t = self.store.trial()
+        if t is not None:
+            return "busy", f"busy: job {t.get('job_id')} running (in trial)"
+        return None
+
+    def _accept(self, offer: dict) -> None:
+        """Stage the download (room checked, preallocated), persist the offer, follow the job's
+        chunks, then say ``received``; refusals are ``failed`` and leave nothing behind."""
+        jid = offer["job_id"]
         path = self.store.staging_path(jid)
-        job = _Job(offer, path)
+        job = _Job(offer, path, self.stall_timeout_s)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(path.parent).free
             need = offer["size"] + getattr(self.store, "reserve_bytes", 0)
             if free < need:
-                raise OSError(28, f"not enough disk space to stage the bundle: {free} bytes free, "
-                                  f"{need} needed; the running model is untouched")
+                raise OSError(durable.NO_SPACE, f"not enough disk space to stage the bundle: {free} bytes free, "
+                                                f"{need} needed; the running model is untouched")
             job.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 os.posix_fallocate(job.fd, 0, offer["size"])
             except (AttributeError, OSError) as e:
-                if getattr(e, "errno", None) == 28:
+                if getattr(e, "errno", None) == durable.NO_SPACE:
                     raise
                 os.ftruncate(job.fd, offer["size"])
             self._persist_offer(offer, path)
         except OSError as e:
             self._end_job(job)
             msg = e.strerror if isinstance(e.strerror, str) else str(e)
-            kind = "no_space" if e.errno == 28 else "io_error"
-            if e.errno == 28 and "running model" not in msg:
+            kind = "no_space" if e.errno == durable.NO_SPACE else "io_error"
+            if kind == "no_space" and "running model" not in msg:
                 msg = f"staging: {msg}; the running model is untouched"
-            self._final(jid, "failed", msg, kind=kind, record=False)
+            self._final(jid, "failed", msg, kind=kind)
             return
         with self._lock:
             self._active = job
-        self._ack(jid, "received", count=0, n_chunks=job.n, missing=job.n)
+        self._follow(job, True)  # before the ack: the broker then has the subscription when the host sees it
+        self._ack(jid, "received", count=0, n_chunks=job.n, missing=job.n, transport=job.transport)
+        if job.transport == "url":
+            self._start_download(job)
 
     def _persist_offer(self, offer: dict, path: Path) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -519,6 +700,51 @@ class Updater:
             job.fd = os.open(job.path, os.O_RDWR | os.O_CREAT, 0o644)
             os.ftruncate(job.fd, job.size)
 
+    # ---------------------------------------------------------------------------- cancel
+    def _on_cancel(self, payload: bytes) -> None:
+        """``{"job_id": J, "reason"?}``: drop J if it is downloading; a J not seen yet is
+        recorded as cancelled (a late offer of it is answered so); a J past its download cannot
+        be cancelled (the trial ends by itself) and the answer says so."""
+        try:
+            body = json.loads(payload.decode("utf-8"))
+            jid = body["job_id"]
+            if not isinstance(jid, str) or not JOB_ID_RE.match(jid):
+                raise ValueError("job_id")
+            why = " ".join(str(body.get("reason") or "cancelled by the fleet").split())[:200]
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring a malformed cancel (%s)", e)
+            return
+        done = self._recorded_final(jid)
+        if done is not None:
+            self._repeat_final(done)
+            return
+        a = self._active
+        if a is not None and a.id == jid:
+            if a.finishing:
+                self._ack(jid, a.state, note=f"cancel refused: job {jid} is past its download ({a.state}); "
+                                             f"it commits or rolls back by itself")
+                return
+            self._final(jid, "cancelled", f"cancelled: {why}", kind="cancelled", count=len(a.received), n_chunks=a.n)
+            self._end_job(a)
+            return
+        self._final(jid, "cancelled", f"cancelled before it arrived: {why}", kind="cancelled")
+
+    # ------------------------------------------------------------------------------ keys
+    def _on_keys(self, payload: bytes) -> None:
+        try:
+            op = self.keys.apply(payload)
+        except KeyOpError as e:
+            self._send(self.topic[protocol.UPDATE_ACK], {"key_op": e.op_id, "device_id": self.device_id,
+                                                         "ok": False, "kind": e.kind, "reason": str(e),
+                                                         "ts": round(time.time(), 3)})
+            return
+        self.store.trusted_keys = self.trusted_keys
+        self._send(self.topic[protocol.UPDATE_ACK], {"key_op": op["id"], "device_id": self.device_id, "ok": True,
+                                                     "op": op["op"], "fingerprint": op["fingerprint"],
+                                                     "trusted": self.keys.fingerprints(),
+                                                     "ts": round(time.time(), 3)}, retain=False)
+
+    # ---------------------------------------------------------------------------- chunks
     def _on_chunk(self, rest: str, data: bytes) -> None:
         jid, _, idx = rest.rpartition("/")
         a = self._active
@@ -528,10 +754,17 @@ class Updater:
             i = int(idx)
         except ValueError:
             return
-        if not 0 <= i < a.n:
-            return
+        if 0 <= i < a.n:
+            self._take(a, i, data)
+
+    def _on_data(self, job: _Job, i: int, data: bytes) -> None:
+        """A chunk from the URL download."""
+        if self._active is job and not job.finishing:
+            self._take(job, i, data)
+
+    def _take(self, a: _Job, i: int, data: bytes) -> None:
+        """Check one chunk and write it at its offset; the last one completes the download."""
         self.counters["chunks"] += 1
-        a.chunks_in += 1
         if i in a.received:
             a.duplicates += 1
             self.counters["duplicates"] += 1
@@ -546,17 +779,14 @@ class Updater:
                 self._end_job(a)
                 return
             log.warning("job %s: chunk %d failed its sha256 check (%d); asking again", a.id, i, a.bad[i])
-            self._send(self.topic_need, {"job_id": a.id, "device_id": self.device_id, "missing": [i],
-                                         "n_missing": a.n - len(a.received), "count": len(a.received),
-                                         "n_chunks": a.n, "bad": [i], "ts": round(time.time(), 3)})
-            self.counters["needs"] += 1
+            a.fetched.discard(i)
+            self._need(a, bad=[i])
             return
         try:
             os.pwrite(a.fd, data, i * a.chunk_size)
         except OSError as e:
-            kind = "no_space" if e.errno == 28 else "io_error"
-            self._final(a.id, "failed", f"staging: {e.strerror or e}; the running model is untouched", kind=kind,
-                        record=False)
+            kind = "no_space" if e.errno == durable.NO_SPACE else "io_error"
+            self._final(a.id, "failed", f"staging: {e.strerror or e}; the running model is untouched", kind=kind)
             self._end_job(a)
             return
         a.received.add(i)
@@ -565,6 +795,61 @@ class Updater:
         if len(a.received) == a.n:
             self._complete(a)
 
+    # ------------------------------------------------------------------- URL transport
+    def _start_download(self, job: _Job) -> None:
+        threading.Thread(target=self._download, args=(job,), name=f"tandoor-download-{job.id}", daemon=True).start()
+
+    def _download(self, job: _Job) -> None:
+        """Fetch what is missing with Range requests, chunk by chunk into the worker's queue;
+        after any failure wait (1 s doubling to 30 s) and resume from the first missing chunk.
+        The worker's stall timeout ends a download that never gets anywhere."""
+        backoff = 1.0
+        while not job.ended.is_set() and not self._stop and not job.finishing:
+            miss = [i for i in job.missing() if i not in job.fetched]
+            if not miss:  # everything is fetched; the worker is still checking the last ones
+                job.ended.wait(0.1)
+                continue
+            try:
+                self._fetch_from(job, miss[0])
+                backoff = 1.0
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                job.last_error = " ".join(str(e).split())[:300]
+                self.counters["download_errors"] += 1
+                log.warning("job %s: download from %s failed (%s); retrying in %g s", job.id,
+                            job.offer["url"], job.last_error, backoff)
+                job.ended.wait(backoff)
+                backoff = min(30.0, backoff * 2)
+
+    def _fetch_from(self, job: _Job, first: int) -> None:
+        start = first * job.chunk_size
+        req = urllib.request.Request(job.offer["url"], headers={
+            "Range": f"bytes={start}-{job.size - 1}", "User-Agent": f"tandoor-agent/{self.device_id}"})
+        self.counters["downloads"] += 1
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if r.status == 206:
+                got = (r.headers.get("Content-Range") or "").split()
+                if len(got) < 2 or not got[1].startswith(f"{start}-"):
+                    raise ValueError(f"asked for bytes {start}- and got Content-Range {r.headers.get('Content-Range')!r}")
+                i = first
+            elif r.status == 200:  # the server ignores Range: the whole file again, skip what we have
+                i = 0
+            else:
+                raise ValueError(f"HTTP {r.status} from {job.offer['url']}")
+            while i < job.n and not job.ended.is_set() and not self._stop:
+                want = job.chunk_len(i)
+                data = r.read(want)
+                while len(data) < want:
+                    more = r.read(want - len(data))
+                    if not more:
+                        raise ValueError(f"the download ended early, in chunk {i}")
+                    data += more
+                while self._q.qsize() > DOWNLOAD_QUEUE and not job.ended.is_set():
+                    time.sleep(0.01)  # the worker writes as fast as the disk allows
+                if i not in job.received:
+                    job.fetched.add(i)
+                    self._q.put(("data", job, i, data))
+                i += 1
+
     # ------------------------------------------------------------------- install + gate
     def _complete(self, job: _Job) -> None:
         job.finishing = True
@@ -572,6 +857,7 @@ class Updater:
             os.fsync(job.fd)
         except OSError:
             pass
+        self._follow(job, False)
         self._ack(job.id, "received", count=job.n, n_chunks=job.n, missing=0, duplicates=job.duplicates,
                   seconds=round(time.monotonic() - job.t_start, 3))
         threading.Thread(target=self._finish, args=(job,), name=f"tandoor-update-{job.id}", daemon=True).start()
@@ -582,7 +868,8 @@ class Updater:
         except Exception as e:
             log.exception("job %s failed", job.id)
             try:
-                if self.store.trial() is not None and self.store.trial().get("job_id") == job.id:
+                t = self.store.trial()
+                if t is not None and t.get("job_id") == job.id:
                     self.store.rollback(f"internal error: {e}")
                     self._final(job.id, "rolled_back", f"internal error: {e}", kind="internal")
                 else:
@@ -593,53 +880,16 @@ class Updater:
             self._end_job(job)
 
     def _finish_inner(self, job: _Job) -> None:
-        from tandoor_contract import hmod
-        from .slots import Busy, InstallRefused, _refusal_from
-
-        offer = job.offer
-        h = hashlib.sha256()
-        with open(job.path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        if h.hexdigest() != offer["sha256"]:
-            self._final(job.id, "failed", f"bundle sha256 {h.hexdigest()[:16]}... differs from the job's "
-                        f"{offer['sha256'][:16]}...", kind="sha256_mismatch")
+        """received -> verified -> staged -> trial -> committed | rolled_back; each step either
+        hands on or has already sent the final ack."""
+        model = self._verify(job)
+        if model is None:
             return
-        try:
-            with hmod.open_bundle(job.path, self.trusted_keys) as b:
-                b.lib_for()
-                model = {"name": (b.manifest.get("model") or {}).get("name"),
-                         "version": (b.manifest.get("model") or {}).get("version")}
-        except hmod.BundleError as e:
-            r = _refusal_from(e)
-            self._final(job.id, "failed", str(r), kind=r.kind)
+        slot = self._install(job, model)
+        if slot is None:
             return
-        self._ack(job.id, "verified", sha256=offer["sha256"], model=model)
-        try:
-            slot = self.store.install(job.path, job.id, self.trusted_keys, expected_sha256=offer["sha256"],
-                                      size=job.size)
-        except Busy as e:
-            self._final(job.id, "failed", f"busy: {e}", kind="busy", record=False)
-            return
-        except InstallRefused as e:
-            self._final(job.id, "failed", str(e), kind=e.kind, record=e.kind not in ("no_space", "io_error"))
-            return
-        self._ack(job.id, "staged", slot=slot, model=model)
-        self._ack(job.id, "trial", slot=slot, model=model)
-        from . import health
-
-        gate = self.gate or health.gate
-        kw = dict(latency_budget_ms=offer.get("latency_budget_ms"), frames=offer["health_frames"],
-                  delegate=self.delegate)
-        if gate is health.gate:
-            kw["timeout_s"] = self.health_timeout_s
-        try:
-            if self._stop:
-                raise health.CheckStopped("the agent is stopping")
-            report = gate(self.store, self.trusted_keys, **kw)
-        except health.CheckStopped:  # the agent is stopping: no verdict, the trial waits for the next start
-            log.warning("job %s: the health check was ended by the stop; the trial is rolled back at the next start",
-                        job.id)
+        report = self._gate(job)
+        if report is None:
             return
         hrep = {k: getattr(report, k, None) for k in ("p95_ms", "median_ms", "golden_max_abs_err", "frames",
                                                           "errors", "seconds")}
@@ -647,20 +897,91 @@ class Updater:
             self._final(job.id, "rolled_back", f"health gate failed: {report.reason}", kind="unhealthy",
                         slot=slot, model=model, health=hrep)
             return
-        if self.swap is not None:
+        swap_error = self._swap_in()
+        if swap_error is not None:
+            self._final(job.id, "rolled_back", swap_error, kind="swap_failed", slot=slot, model=model, health=hrep)
+            return
+        if self.served is not None:
+            self._boot_base = self.served()  # it serves from here; its frames confirm it
+        self._final(job.id, "committed", f"health gate passed ({report.summary()})", slot=slot, model=model,
+                    sha256=job.offer["sha256"], health=hrep, p95_ms=hrep.get("p95_ms"))
+
+    def _verify(self, job: _Job) -> dict | None:
+        """Whole-file sha256, signature (a retired key's said so), format, arch, and not older
+        than the committed model unless the job allows it: -> ``verified``; the model."""
+        want = job.offer["sha256"]
+        got = durable.sha256_file(job.path)
+        if got != want:
+            self._final(job.id, "failed", f"bundle sha256 {got[:16]}... differs from the job's {want[:16]}...",
+                        kind="sha256_mismatch")
+            return None
+        try:
+            with hmod.open_bundle(job.path, self.trusted_keys) as b:
+                b.lib_for()
+                manifest = b.manifest
+        except hmod.BundleError as e:
+            r = refusal_from(e)
+            retired = self.keys.retired_signer(job.path) if isinstance(e, hmod.BadSignature) else None
+            if retired:
+                self._final(job.id, "failed", f"bundle refused: signed by the retired key {retired}",
+                            kind="retired_key")
+            else:
+                self._final(job.id, "failed", str(r), kind=r.kind)
+            return None
+        model = {"name": (manifest.get("model") or {}).get("name"),
+                 "version": (manifest.get("model") or {}).get("version")}
+        current = self.store.primary_manifest()
+        why = hmod.downgrade_reason(manifest, current) if current is not None else None
+        if why is not None and not job.offer.get("allow_downgrade"):
+            self._final(job.id, "failed", f"downgrade refused: {why}; deploy with --allow-downgrade to "
+                                          f"install it anyway (or `tandoor fleet rollback`)", kind="downgrade",
+                        model=model)
+            return None
+        self._ack(job.id, "verified", sha256=want, model=model, **({"downgrade": why} if why else {}))
+        return model
+
+    def _install(self, job: _Job, model: dict) -> str | None:
+        """Into the inactive slot: -> ``staged`` then ``trial``; the slot."""
+        try:
+            slot = self.store.install(job.path, job.id, self.trusted_keys, expected_sha256=job.offer["sha256"],
+                                      size=job.size)
+        except Busy as e:
+            self._final(job.id, "failed", f"busy: {e}", kind="busy")
+            return None
+        except InstallRefused as e:
+            self._final(job.id, "failed", str(e), kind=e.kind)
+            return None
+        self._ack(job.id, "staged", slot=slot, model=model)
+        self._ack(job.id, "trial", slot=slot, model=model)
+        return slot
+
+    def _gate(self, job: _Job):
+        """The health gate's report, or None when the agent is stopping (no verdict: the trial
+        is rolled back at the next start, as after a crash)."""
+        try:
+            if self._stop:
+                raise health.CheckStopped("the agent is stopping")
+            return self.gate(self.store, self.trusted_keys, latency_budget_ms=job.offer.get("latency_budget_ms"),
+                             frames=job.offer["health_frames"], delegate=self.delegate)
+        except health.CheckStopped:
+            log.warning("job %s: the health check was ended by the stop; the trial is rolled back at the next start",
+                        job.id)
+            return None
+
+    def _swap_in(self) -> str | None:
+        """Serve the committed slot; on failure roll the commit back and return why."""
+        if self.swap is None:
+            return None
+        try:
+            self.swap()
+        except Exception as e:
+            reason = f"the committed model failed to load in the agent: {' '.join(str(e).split())}"
             try:
-                self.swap()
-            except Exception as e:
-                reason = f"the committed model failed to load in the agent: {' '.join(str(e).split())}"
-                try:
-                    self.store.rollback(reason)
-                except Exception:
-                    log.exception("rollback after a failed swap")
-                self._final(job.id, "rolled_back", reason, kind="swap_failed", slot=slot, model=model, health=hrep)
-                return
-        self._final(job.id, "committed", f"health gate passed ({report.summary()})" if hasattr(report, "summary")
-                    else "health gate passed", slot=slot, model=model, sha256=offer["sha256"], health=hrep,
-                    p95_ms=hrep.get("p95_ms"))
+                self.store.rollback(reason)
+            except Exception:
+                log.exception("rollback after a failed swap")
+            return reason
+        return None
 
     # ---------------------------------------------------------------------- rollback cmd
     def rollback_committed(self, reason: str = "rollback requested by the operator") -> dict:
@@ -669,7 +990,7 @@ class Updater:
             raise JobError("not_supported", "rollback needs slot_dir: this agent serves an explicit bundle")
         a = self._active
         if a is not None:
-            raise JobError("busy", f"busy: job {a.id} running")
+            raise JobError("busy", f"busy: {a.describe()}")
         before = self.store.load()
         self.store.rollback(reason)
         after = self.store.load()
@@ -678,3 +999,13 @@ class Updater:
         p = after["primary"]
         return {"from": before["primary"], "slot": p, "model": after["slots"][p]["model"] if p else None,
                 "sha256": after["slots"][p]["sha256"] if p else None}
+
+
+def _job_id_of(payload: bytes) -> str | None:
+    """The job id of an offer that failed validation, when it can be read (for the answer)."""
+    try:
+        o = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    jid = o.get("job_id") if isinstance(o, dict) else None
+    return jid if isinstance(jid, str) and JOB_ID_RE.match(jid) else None

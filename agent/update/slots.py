@@ -20,7 +20,9 @@ Layout under ``slot_dir``::
      "trial": null | {"slot": "b", "job_id": ..., "started_at": ..., "previous": "a" | null},
      "jobs": {job_id: {"outcome": "trial" | "committed" | "rolled_back" | "failed",
                        "slot": ..., "reason": ..., "sha256": ..., "at": ...}},   # last 32 jobs
-     "history": [{"at", "slot", "from", "to", "reason", "job_id"}, ...]}         # last 20
+     "history": [{"at", "slot", "from", "to", "reason", "job_id"}, ...],        # last 20
+     "boot": null | {"slot", "job_id", "attempts"},   # a commit that has not served yet (starts counted)
+     "checksum": "<sha256 of the rest>"}
 
 Slot states and the only allowed transitions (TRANSITIONS; anything else raises
 TransitionError)::
@@ -53,6 +55,7 @@ import logging
 import os
 import shutil
 import threading
+import zipfile
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,6 +77,7 @@ SLOTS = ("a", "b")
 SLOT_STATES = ("empty", "installing", "trial", "good", "bad")
 BUNDLE_NAME = "model.hmod"
 STATE_NAME = "state.json"
+PREV_NAME = "state.json.prev"  # the state before the last write (recovery from a damaged state.json)
 HISTORY_MAX = 20
 JOBS_MAX = 32
 DEFAULT_RESERVE = 256 * 1024  # bytes kept free after an install (state.json, logs, temp files)
@@ -155,7 +159,7 @@ _BUNDLE_KINDS = {
 }
 
 
-def _refusal_from(err: hmod.BundleError) -> InstallRefused:
+def refusal_from(err: hmod.BundleError) -> InstallRefused:
     kind = next((k for cls, k in _BUNDLE_KINDS.items() if isinstance(err, cls)), "bundle_error")
     return InstallRefused(f"bundle refused: {err}", kind=kind, exit_code=err.exit_code)
 
@@ -171,10 +175,18 @@ def _empty_state() -> dict[str, Any]:
             "trial": None, "jobs": {}, "history": []}
 
 
+def _checksum(st: dict[str, Any]) -> str:
+    """sha256 of the state without its checksum: a bit flipped anywhere in the file shows."""
+    body = {k: v for k, v in st.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _check_state(st: Any) -> None:
-    """Schema and invariants; raises ValueError naming the first problem."""
+    """Schema, checksum and invariants; raises ValueError naming the first problem."""
     if not isinstance(st, dict):
         raise ValueError("not a JSON object")
+    if "checksum" in st and st["checksum"] != _checksum(st):
+        raise ValueError("its checksum does not match its content (a damaged file)")
     if st.get("version") != STATE_VERSION:
         raise ValueError(f"version {st.get('version')!r}, expected {STATE_VERSION}")
     slots = st.get("slots")
@@ -329,12 +341,42 @@ class SlotStore:
         return st
 
     def _recover_corrupt(self, raw: bytes, err: Exception) -> dict[str, Any]:
+        """A damaged state.json (truncated, bit-flipped, breaking an invariant): kept aside, then
+        the previous state if it is sound and its primary's bundle is the one recorded (a state
+        one step older is consistent too: every step is safe to lose), else rebuilt from the
+        bundles that verify. With nothing to serve either way: StateCorrupt, saying how to repair."""
         keep = self.dir / f"{STATE_NAME}.corrupt-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S%f')}"
         keep.write_bytes(raw)
+        st = self._previous_state()
+        if st is not None:
+            self._note(f"state.json was corrupt ({err}); kept it as {keep.name} and went back to the previous "
+                       f"state ({PREV_NAME})")
+            self._write(st, "restore")
+            return st
         self._note(f"state.json was corrupt ({err}); kept it as {keep.name} and rebuilt the state "
                    f"from the bundles on disk")
         st = self._rebuild_from_disk(f"state.json was corrupt ({err})")
+        if st["primary"] is None and any(self.bundle_path(s).exists() for s in SLOTS):
+            raise StateCorrupt(f"{self.state_path} is corrupt ({err}), {PREV_NAME} is no help and no slot bundle "
+                               f"verifies with the trusted keys: nothing safe to serve; to repair, copy a signed "
+                               f"bundle to {self.dir / 'current.hmod'} and remove {self.state_path} (it is adopted "
+                               f"at the next start), or set bundle = PATH in the agent's config")
         self._write(st, "rebuild")
+        return st
+
+    def _previous_state(self) -> dict[str, Any] | None:
+        try:
+            st = json.loads((self.dir / PREV_NAME).read_bytes().decode("utf-8"))
+            _check_state(st)
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        p = st["primary"]
+        if p is not None:
+            try:
+                if durable.sha256_file(self.bundle_path(p)) != st["slots"][p]["sha256"]:
+                    return None
+            except OSError:
+                return None
         return st
 
     def _verify_file(self, p: Path, keys: Iterable[hmod.KeySource]) -> tuple[str, dict[str, Any]]:
@@ -415,6 +457,19 @@ class SlotStore:
     def trial(self) -> dict[str, Any] | None:
         return self.load()["trial"]
 
+    def primary_manifest(self) -> dict[str, Any] | None:
+        """The committed bundle's manifest (read, not re-verified: the file's sha256 is the
+        one recorded at install), or None without a readable primary. For the downgrade check."""
+        p = self.primary_bundle()
+        if p is None:
+            return None
+        try:
+            with zipfile.ZipFile(p) as z:
+                m = json.loads(z.read(hmod.MANIFEST))
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+            return None
+        return m if isinstance(m, dict) else None
+
     def job(self, job_id: str) -> dict[str, Any] | None:
         """What became of a job: {"outcome": trial|committed|rolled_back|failed, "slot", "reason",
         "sha256", "at", "kind"} or None if this store never finished anything for it."""
@@ -431,11 +486,13 @@ class SlotStore:
     # --------------------------------------------------------------------- writing state
     def _write(self, st: dict[str, Any], what: str) -> None:
         """The only way state.json changes: temp file, fsync, atomic rename, fsync the dir."""
+        st.pop("checksum", None)  # the one it was read with; a new one is stamped below
         _check_state(st)
         st["history"] = st["history"][-HISTORY_MAX:]
         if len(st["jobs"]) > JOBS_MAX:
             for old in sorted(st["jobs"], key=lambda j: st["jobs"][j].get("at") or "")[:len(st["jobs"]) - JOBS_MAX]:
                 del st["jobs"][old]
+        st["checksum"] = _checksum(st)
         data = (json.dumps(st, indent=1, sort_keys=True) + "\n").encode("utf-8")
         tmp = self.dir / f".{STATE_NAME}.{os.getpid()}.tmp"
         try:
@@ -444,6 +501,7 @@ class SlotStore:
                 f.flush()
                 os.fsync(f.fileno())
             _step(f"{what}:tmp_written")
+            self._keep_previous()
             os.replace(tmp, self.state_path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -451,6 +509,22 @@ class SlotStore:
         _step(f"{what}:replaced")
         durable.fsync_dir(self.dir)
         self._state = st
+
+    def _keep_previous(self) -> None:
+        """The state being replaced stays as state.json.prev (a hard link: no copy, and
+        state.json never goes missing), the fallback when state.json is found damaged."""
+        prev, link = self.dir / PREV_NAME, self.dir / f".{PREV_NAME}.{os.getpid()}.tmp"
+        try:
+            link.unlink(missing_ok=True)
+            os.link(self.state_path, link)
+            os.replace(link, prev)
+        except FileNotFoundError:
+            pass
+        except OSError:  # a filesystem without hard links: copy it
+            try:
+                durable.atomic_write(prev, self.state_path.read_bytes())
+            except OSError as e:
+                log.warning("cannot keep the previous state: %s", e)
 
     def _set(self, st: dict[str, Any], slot: str, to: str, op: str, reason: str,
              job_id: str | None = None) -> None:
@@ -552,7 +626,7 @@ class SlotStore:
             try:
                 file_sha, model = self._verify_file(src, keys)
             except hmod.BundleError as e:
-                raise _refusal_from(e) from None
+                raise refusal_from(e) from None
             if expected_sha256 and file_sha != expected_sha256.lower():
                 raise InstallRefused(f"bundle sha256 {file_sha[:16]}... differs from the job's "
                                      f"{expected_sha256[:16]}...", kind="sha256_mismatch")
@@ -691,6 +765,7 @@ class SlotStore:
             self._set(st, s, "good", "commit", reason, trial.get("job_id"))
             st["primary"] = s
             st["trial"] = None
+            st["boot"] = {"slot": s, "job_id": trial.get("job_id"), "attempts": 0}  # until it serves
             if trial.get("job_id") is not None:
                 self._record_job(st, trial["job_id"], "committed", s, reason, st["slots"][s]["sha256"])
             self._write(st, "commit")
@@ -722,12 +797,57 @@ class SlotStore:
                                                          if cur else ""))
             self._set(st, cur, "bad", "rollback", reason, st["slots"][cur].get("job_id"))
             st["primary"] = other
+            st["boot"] = None
             job = st["slots"][cur].get("job_id")
             if job is not None and job in st["jobs"]:
                 self._record_job(st, job, "rolled_back", cur, reason, st["slots"][cur]["sha256"])
             self._write(st, "rollback")
             log.warning("slot %s rolled back to slot %s: %s", cur, other, reason)
             return copy.deepcopy(st)
+
+    # ----------------------------------------------------------------------- boot attempts
+    def begin_boot(self, max_attempts: int) -> dict[str, Any] | None:
+        """Count one start of a committed model that has not served yet (RAUC's boot attempts,
+        persisted before the model is opened, so a native crash cannot skip it). Past
+        ``max_attempts`` starts the commit is rolled back (the other good slot serves) and
+        {"job_id", "slot", "attempts", "reason", "to"} returned; else None."""
+        with self._locked():
+            st = self._read()
+            b = st.get("boot")
+            if not b or b.get("slot") != st["primary"]:
+                return None
+            b["attempts"] = int(b.get("attempts") or 0) + 1
+            cur, other = st["primary"], "b" if st["primary"] == "a" else "a"
+            if b["attempts"] <= max_attempts:
+                self._write(st, "boot")
+                return None
+            reason = (f"crash loop: the committed model of slot {cur} did not serve at {max_attempts} starts in "
+                      f"a row (the agent died each time)")
+            if st["slots"][other]["state"] != "good":
+                st["boot"] = None
+                self._write(st, "boot")
+                log.error("%s; nothing to roll back to (slot %s is %s)", reason, other, st["slots"][other]["state"])
+                return None
+            job = b.get("job_id")
+            self._set(st, cur, "bad", "rollback", reason, job)
+            st["primary"], st["boot"] = other, None
+            if job is not None and job in st["jobs"]:
+                self._record_job(st, job, "rolled_back", cur, reason, st["slots"][cur]["sha256"], kind="crash_loop")
+            self._write(st, "boot_rollback")
+            log.error("%s: rolled back to slot %s", reason, other)
+            return {"job_id": job, "slot": cur, "attempts": b["attempts"] - 1, "reason": reason, "to": other}
+
+    def boot_pending(self) -> bool:
+        b = self.load().get("boot")
+        return bool(b) and b.get("slot") == self.load()["primary"]
+
+    def confirm_boot(self) -> None:
+        """The committed model served: its starts no longer count."""
+        with self._locked():
+            st = self._read()
+            if st.get("boot"):
+                st["boot"] = None
+                self._write(st, "boot_ok")
 
     # ------------------------------------------------------------------------- recovery
     def recover_on_start(self, verify: bool = True) -> list[str]:

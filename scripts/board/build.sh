@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Builds, or reuses, the emulated arm64 board: a Debian bookworm arm64 rootfs run under
-# qemu-user, with Arm NN 20.08 (python3-pyarmnn, CpuAcc = ACL NEON, CpuRef) and the agent
-# installed the way a real board installs it (pip install of the `agent` extra from a checkout
-# copied to /opt/tandoor/src, into the venv /opt/tandoor/venv; systemd unit in place).
+# Builds, or reuses, an emulated arm64 board: a Debian arm64 rootfs run under qemu-user, with
+# Debian's Arm NN (python3-pyarmnn, CpuAcc = ACL NEON, CpuRef) and the agent installed the way a
+# real board installs it (pip install of the `agent` extra from a checkout copied to
+# /opt/tandoor/src, into the venv /opt/tandoor/venv; systemd unit in place). Two boards:
+#   bookworm  Debian 12, Python 3.11, Arm NN 20.08 (ACL 20.08)          (the default)
+#   trixie    Debian 13, Python 3.13, Arm NN 23.08 (ACL 24.x)
 #
-#   scripts/board/build.sh            build or reuse; prints the rootfs path on stdout
-#   scripts/board/build.sh --rebuild  ignore the cache
+#   scripts/board/build.sh [--board NAME]            build or reuse; prints the rootfs path on stdout
+#   scripts/board/build.sh [--board NAME] --rebuild  ignore the cache
 #
-# Layers, each rebuilt only when its own inputs change (cache in $TANDOOR_CACHE/board/):
-#   debian  mmdebstrap arm64 minbase + python3, python3-venv, python3-pyarmnn and the CpuAcc and
-#           CpuRef backends -> debian-<key>.tar.zst; key: suite, mirrors, package list, recipe.
+# Layers, each rebuilt only when its own inputs change (cache in $TANDOOR_CACHE/board/NAME/):
+#   debian  mmdebstrap arm64 minbase + the packages install-on-board.sh picks for the suite
+#           (python3, python3-venv, python3-pyarmnn and the CpuAcc and CpuRef backends)
+#           -> debian-<key>.tar.zst; key: suite, mirrors, package list, recipe.
 #   board   + the host's local CA certificates, the checkout copied to /opt/tandoor/src and
 #           scripts/board/install-on-board.sh run inside (venv, pip install of the agent extra,
 #           binary wheels only, unit file) -> board-<key>.tar.zst; key: the debian key, the
@@ -24,23 +27,26 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-SUITE=bookworm
+board="${BOARDS[0]}" rebuild=0
+while (($#)); do
+  case "$1" in
+    --board) (($# >= 2)) || die "--board needs a name (${BOARDS[*]})"; board="$2"; shift 2 ;;
+    --board=*) board="${1#*=}"; shift ;;
+    --rebuild) rebuild=1; shift ;;
+    -h|--help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument $1 (try --help)" ;;
+  esac
+done
+use_board "$board"
 MIRROR="${TANDOOR_BOARD_MIRROR:-http://deb.debian.org/debian}"
 SECURITY="${TANDOOR_BOARD_SECURITY_MIRROR:-http://deb.debian.org/debian-security}"
 HOST_PKGS=(qemu-user-static binfmt-support mmdebstrap arch-test zstd dpkg-dev openssh-client)
 INSTALLER="$BOARD_DIR/install-on-board.sh"
-read -r -a BOARD_PKGS <<< "$(bash "$INSTALLER" --print-packages)"
+read -r -a BOARD_PKGS <<< "$(bash "$INSTALLER" --print-packages "$SUITE")"
 # not what a board needs from us (a real one has its own sshd): tests/board runs
 # scripts/board/run-remote.sh against an sshd on the emulated board, over real ssh
 BOARD_PKGS+=(openssh-server)
 
-rebuild=0
-case "${1:-}" in
-  --rebuild) rebuild=1 ;;
-  "") ;;
-  -h|--help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-  *) die "unknown argument $1 (try --help)" ;;
-esac
 
 # ------------------------------------------------------------------------------ helpers
 ensure_host_tools() {
@@ -185,7 +191,7 @@ build_board() {
   ((n == 0)) || say "the board trusts the host's $n local CA certificate(s) too"
   [[ -e "$new/etc/resolv.conf" ]] || : > "$new/etc/resolv.conf"
   copy_src "$new"
-  say "downloading the board's wheels natively (the agent extra for cp311 manylinux aarch64)"
+  say "downloading the board's wheels natively (the agent extra for its Python, manylinux aarch64)"
   rm -rf --one-file-system "$CACHE/wheels"
   wh="$(fetch_wheels "$new" "$CACHE/wheels")"
   if [[ -n "$wh" ]]; then
@@ -234,6 +240,24 @@ $out"
   say "board: $out"
 }
 
+# The single board of before lived in $CACHE_ROOT itself: its Debian layer (the slow part) is
+# bookworm's; the rest is stale (the board layer's key changed with the second board).
+migrate_old_layout() {
+  [[ "$BOARD" == bookworm ]] || return 0
+  local f
+  for f in "$CACHE_ROOT"/debian-*.tar.zst; do
+    [[ -e "$f" ]] || continue
+    mkdir -p "$CACHE"
+    say "moving the cached Debian layer $(basename "$f") to $CACHE (one board per directory now)"
+    mv -n "$f" "$CACHE/"
+  done
+  if [[ -e "$CACHE_ROOT/rootfs/.tandoor-board" ]]; then
+    say "removing the board of the old single-board layout ($CACHE_ROOT/rootfs)"
+    safe_rm_rootfs "$CACHE_ROOT/rootfs"
+  fi
+  rm -f "$CACHE_ROOT"/board-*.tar.zst "$CACHE_ROOT/lock"
+}
+
 # ------------------------------------------------------------------------------ main
 need_root
 ensure_host_tools
@@ -241,6 +265,7 @@ ensure_binfmt
 can_run_arm64
 [[ -f "$CPUINFO" ]] || die "no cpuinfo file $CPUINFO"
 
+migrate_old_layout
 mkdir -p "$CACHE"
 exec 9>>"$LOCK"
 if ! flock -x -n 9; then
@@ -303,5 +328,5 @@ if [[ "$(cat "$ROOTFS/.tandoor-src" 2>/dev/null || true)" != "$want_src" ]]; the
   smoke_test "$ROOTFS" quick
   echo "$want_src" > "$ROOTFS/.tandoor-src"
 fi
-say "board ready: $ROOTFS (run commands on it with scripts/board/run.sh)"
+say "board ready: $ROOTFS (run commands on it with scripts/board/run.sh --board $BOARD)"
 echo "$ROOTFS"

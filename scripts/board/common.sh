@@ -1,25 +1,49 @@
-# Shared by scripts/board/*.sh (sourced, not run). Paths, logging, locking, safety checks.
+# Shared by scripts/board/*.sh (sourced, not run). Boards, paths, logging, locking, safety checks.
 #
 # Env:
-#   TANDOOR_CACHE          cache root (default ~/.cache/tandoor); the board lives in $TANDOOR_CACHE/board
-#   TANDOOR_BOARD_ROOT     the unpacked rootfs (default $TANDOOR_CACHE/board/rootfs)
+#   TANDOOR_CACHE          cache root (default ~/.cache/tandoor); board NAME lives in $TANDOOR_CACHE/board/NAME
+#   TANDOOR_BOARD_ROOT     the unpacked rootfs of the board chosen (default $TANDOOR_CACHE/board/NAME/rootfs)
 #   TANDOOR_BOARD_CPUINFO  the /proc/cpuinfo the board sees (default: 2 x Cortex-A76)
 
 BOARD_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SRC_ROOT="$(cd "$BOARD_DIR/../.." && pwd)"
-CACHE="${TANDOOR_CACHE:-$HOME/.cache/tandoor}/board"
-ROOTFS="${TANDOOR_BOARD_ROOT:-$CACHE/rootfs}"
+CACHE_ROOT="${TANDOOR_CACHE:-$HOME/.cache/tandoor}/board"
 CPUINFO="${TANDOOR_BOARD_CPUINFO:-$BOARD_DIR/cpuinfo-cortex-a76}"
-LOCK="$CACHE/lock"
 VENV_IN_BOARD=/opt/tandoor/venv
 SRC_IN_BOARD=/opt/tandoor/src
-# What goes from the checkout onto a board: the package, its unit file, the installer.
-SRC_ITEMS=(pyproject.toml README.md agent compiler systemd scripts/board/install-on-board.sh)
+
+# The emulated boards, one Debian arm64 suite each (the first is the default). What each brings
+# is install-on-board.sh's business (its package table); here only what the host needs to know.
+BOARDS=(bookworm trixie)
+declare -A BOARD_ABOUT=(
+  [bookworm]="Debian 12 bookworm arm64, Python 3.11, Arm NN 20.08 (ACL 20.08)"
+  [trixie]="Debian 13 trixie arm64, Python 3.13, Arm NN 23.08 (ACL 24.x)"
+)
+
+# use_board NAME: sets BOARD, SUITE, CACHE (this board's cache dir), ROOTFS, LOCK.
+use_board() {
+  local b="$1"
+  [[ -n "${BOARD_ABOUT[$b]:-}" ]] || die "unknown board '$b'; the emulated boards are: ${BOARDS[*]}"
+  BOARD="$b" SUITE="$b"
+  CACHE="$CACHE_ROOT/$b"
+  ROOTFS="${TANDOOR_BOARD_ROOT:-$CACHE/rootfs}"
+  LOCK="$CACHE/lock"
+}
+
+# What goes from the checkout onto a board: the package (pyproject.toml and every package directory
+# it names: setuptools refuses to build with one missing), its unit file, the installer.
+package_dirs() {
+  python3 - "$SRC_ROOT/pyproject.toml" <<'PY' 2>/dev/null || echo contract agent compiler fleet host zoo
+import sys, tomllib
+print(" ".join(sorted(set(tomllib.load(open(sys.argv[1], "rb"))["tool"]["setuptools"]["package-dir"].values()))))
+PY
+}
+read -r -a SRC_ITEMS <<< "pyproject.toml README.md $(package_dirs) systemd scripts/board/install-on-board.sh"
 # exit status meaning "this machine cannot run the arm64 board" (tests skip on it)
 EXIT_CANNOT=77
 
 _T0=$SECONDS
-say() { printf '[board %3ds] %s\n' "$((SECONDS - _T0))" "$*" >&2; }
+say() { printf '[board%s %3ds] %s\n' "${BOARD:+ $BOARD}" "$((SECONDS - _T0))" "$*" >&2; }
 die() { printf '[board] error: %s\n' "$*" >&2; exit 1; }
 cannot() { printf '[board] cannot run an arm64 board here: %s\n' "$*" >&2; exit "$EXIT_CANNOT"; }
 

@@ -1,28 +1,40 @@
 #!/usr/bin/env bash
-# Installs the Tandoor agent on an arm64 Debian (bookworm) board, from a checkout of this
-# repository on the board. Run as root from the checkout:
+# Installs the Tandoor agent on an arm64 board, from a checkout of this repository on the board.
+# Run as root from the checkout:
 #
 #   sudo scripts/board/install-on-board.sh
 #
-# - Debian packages: python3, python3-venv, Arm NN 20.08 (python3-pyarmnn) with its CpuAcc (ACL
-#   NEON) and CpuRef backends;
+# - Distribution packages, chosen for the distribution it runs on (/etc/os-release; the table
+#   below): python3, python3-venv, Arm NN's Python binding (python3-pyarmnn) with its CpuAcc (ACL
+#   NEON) and CpuRef backends, and the GpuAcc (ACL OpenCL) backend on a board with a Mali GPU.
+#   It says what it chose and why. Arm NN 20.08 on Debian 12 bookworm and Ubuntu 22.04 jammy,
+#   23.08 on Debian 13 trixie and Ubuntu 24.04 noble (the last Arm NN with a Python binding);
+#   the agent speaks both (agent/run/executors/armnn.py);
 # - the venv $TANDOOR_VENV (default /opt/tandoor/venv) with the agent: pip install of the
 #   checkout's `agent` extra, binary wheels only (apache-tvm's aarch64 runtime, onnxruntime...);
-#   Debian's pyarmnn is exposed to it alone (a pyarmnn-only path: all of dist-packages would
-#   shadow the venv's numpy 2 with Debian's 1.24);
+#   the distribution's pyarmnn is exposed to it alone (a pyarmnn-only path: all of dist-packages
+#   would shadow the venv's numpy with the distribution's);
 # - systemd/tandoor-agent.service, when the checkout has it, installed and enabled (not started)
 #   with what it expects: the `tandoor` system user and /etc/tandoor/agent.toml (from
 #   systemd/agent.toml.example unless there is one already).
-# Idempotent. scripts/board/build.sh runs this same script inside the emulated board.
+# Idempotent. scripts/board/build.sh runs this same script inside the emulated boards.
 # Env: TANDOOR_VENV; TANDOOR_WHEELHOUSE=DIR installs from the wheels in DIR only (a board
-#      without internet; scripts/board/build.sh shows how to `pip download` them elsewhere).
-#   --print-packages   print the Debian packages and exit
-#   --service-only     only the systemd part (after the unit file changed)
+#      without internet; scripts/board/build.sh shows how to `pip download` them elsewhere);
+#      TANDOOR_GPUACC=1|0 installs the GpuAcc backend or not, whatever the Mali detection says;
+#      TANDOOR_DISTRO=CODENAME overrides /etc/os-release's VERSION_CODENAME (a derivative).
+#   --print-packages [CODENAME]  print the packages for CODENAME (default: this system's) and exit
+#   --service-only               only the systemd part (after the unit file changed)
 set -euo pipefail
 SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${TANDOOR_VENV:-/opt/tandoor/venv}"
-PKGS=(python3 python3-venv ca-certificates
-      python3-pyarmnn libarmnn-cpuacc-backend22 libarmnn-cpuref-backend22)
+BASE_PKGS=(python3 python3-venv ca-certificates python3-pyarmnn)
+# codename -> "what it is|Arm NN backend package suffix" (the libarmnn ABI: 22 = 20.08, 33 = 23.08)
+declare -A DISTROS=(
+  [bookworm]="Debian 12, Arm NN 20.08|22"
+  [jammy]="Ubuntu 22.04, Arm NN 20.08|22"
+  [trixie]="Debian 13, Arm NN 23.08|33"
+  [noble]="Ubuntu 24.04, Arm NN 23.08|33"
+)
 say() { printf '[install-on-board] %s\n' "$*" >&2; }
 
 # The unit file and what it expects (the steps in its header): the tandoor system user, and
@@ -55,11 +67,57 @@ install_service() {
   say "tandoor-agent.service installed and enabled (not started): edit /etc/tandoor/agent.toml, then systemctl start tandoor-agent"
 }
 
-if [[ "${1:-}" == --print-packages ]]; then echo "${PKGS[*]}"; exit 0; fi
+this_codename() {
+  local codename="${TANDOOR_DISTRO:-}"
+  if [[ -z "$codename" && -r /etc/os-release ]]; then
+    codename="$(. /etc/os-release && echo "${VERSION_CODENAME:-${UBUNTU_CODENAME:-}}")"
+  fi
+  echo "$codename"
+}
+
+# A Mali GPU that ACL's OpenCL kernels can use: Arm's kernel driver (/dev/mali0, what the
+# vendor images of RK3588 and other Mali boards ship with libmali's OpenCL), or a device-tree
+# node compatible with arm,mali-*. Prints why, or nothing.
+mali_gpu() {
+  if [[ -e /dev/mali0 ]]; then echo "/dev/mali0"; return; fi
+  local f
+  for f in /sys/firmware/devicetree/base/*/compatible /sys/firmware/devicetree/base/*/*/compatible; do
+    [[ -r "$f" ]] && tr '\0' '\n' < "$f" | grep -q '^arm,mali' && { echo "device tree ${f%/compatible}"; return; }
+  done
+  return 0
+}
+
+# choose CODENAME: PKGS and CHOSEN (one line: what was chosen and why)
+choose() {
+  local codename="$1" entry abi gpu why
+  if [[ -z "$codename" ]]; then
+    echo "cannot tell this distribution (no VERSION_CODENAME in /etc/os-release); set TANDOOR_DISTRO to one of: ${!DISTROS[*]}" >&2
+    exit 2
+  fi
+  entry="${DISTROS[$codename]:-}"
+  if [[ -z "$entry" ]]; then
+    echo "no Arm NN package table for '$codename'; known: ${!DISTROS[*]} (a derivative: TANDOOR_DISTRO=<its base's codename>)" >&2
+    exit 2
+  fi
+  abi="${entry#*|}"
+  PKGS=("${BASE_PKGS[@]}" "libarmnn-cpuacc-backend$abi" "libarmnn-cpuref-backend$abi")
+  case "${TANDOOR_GPUACC:-auto}" in
+    1) gpu=1 why="TANDOOR_GPUACC=1" ;;
+    0) gpu=0 why="TANDOOR_GPUACC=0" ;;
+    *) why="$(mali_gpu)"; if [[ -n "$why" ]]; then gpu=1 why="Mali GPU: $why"; else gpu=0 why="no Mali GPU found"; fi ;;
+  esac
+  CHOSEN="$codename (${entry%|*}): CpuAcc + CpuRef backends"
+  if ((gpu)); then PKGS+=("libarmnn-gpuacc-backend$abi"); CHOSEN+=" + GpuAcc"; fi
+  CHOSEN+=" ($why)"
+}
+
+if [[ "${1:-}" == --print-packages ]]; then choose "${2:-$(this_codename)}"; echo "${PKGS[*]}"; exit 0; fi
 [[ $(id -u) -eq 0 ]] || { echo "run as root (sudo $0)" >&2; exit 1; }
 if [[ "${1:-}" == --service-only ]]; then install_service; exit 0; fi
-[[ $# -eq 0 ]] || { echo "usage: $0 [--print-packages | --service-only]" >&2; exit 2; }
+[[ $# -eq 0 ]] || { echo "usage: $0 [--print-packages [CODENAME] | --service-only]" >&2; exit 2; }
 [[ "$(uname -m)" == aarch64 ]] || say "warning: this is $(uname -m), not aarch64"
+choose "$(this_codename)"
+say "packages for $CHOSEN: ${PKGS[*]}"
 
 missing=()
 for p in "${PKGS[@]}"; do

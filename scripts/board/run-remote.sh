@@ -8,8 +8,8 @@
 # unavailable, and a host-only bundle), and their outputs compared here with the host
 # onnxruntime reference, exactly as against the emulated board.
 #
-# Needs: key-based ssh to the board; on the board, Debian bookworm arm64 (or a derivative with
-# the same packages) and the agent in /opt/tandoor/venv. --install puts it there: copies this
+# Needs: key-based ssh to the board; on the board, an arm64 distribution install-on-board.sh knows
+# (Debian bookworm or trixie, Ubuntu 22.04 or 24.04, or a derivative) and the agent in /opt/tandoor/venv. --install puts it there: copies this
 # checkout's sources to ~/tandoor-src on the board and runs scripts/board/install-on-board.sh with
 # sudo (it asks for a password on a terminal if sudo needs one). Here: scripts/setup.sh done.
 # Env: TANDOOR_BOARD_VENV   the agent's venv on the board (default /opt/tandoor/venv)

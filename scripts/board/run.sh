@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs a command on the emulated arm64 board (built by scripts/board/build.sh).
 #
-#   scripts/board/run.sh [--share DIR] [-e NAME=VALUE]... [--] CMD [ARGS...]
+#   scripts/board/run.sh [--board NAME] [--share DIR] [-e NAME=VALUE]... [--] CMD [ARGS...]
 #
+#   --board NAME  which emulated board: bookworm (the default) or trixie.
 #   --share DIR   bind-mount the host directory DIR at /work on the board (the command starts in
 #                 /work); put bundles there.
 #   -e NAME=VAL   environment for the command (it otherwise gets a clean one: HOME, LANG, and a
@@ -22,9 +23,11 @@ usage() {  # usage [STATUS]: the header above; on stdout for --help, stderr othe
   sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&"$([[ "${1:-2}" == 0 ]] && echo 1 || echo 2)"
   exit "${1:-2}"
 }
-share="" envs=()
+share="" envs=() board="${BOARDS[0]}"
 while (($#)); do
   case "$1" in
+    --board) (($# >= 2)) || usage; board="$2"; shift 2 ;;
+    --board=*) board="${1#*=}"; shift ;;
     --share) (($# >= 2)) || usage; share="$2"; shift 2 ;;
     --share=*) share="${1#*=}"; shift ;;
     -e|--env) (($# >= 2)) || usage; envs+=("$2"); shift 2 ;;
@@ -40,8 +43,9 @@ if [[ -n "$share" ]]; then
   share="$(realpath "$share")"
 fi
 
+use_board "$board"
 need_root
-[[ -f "$ROOTFS/.tandoor-board" ]] || die "no board at $ROOTFS; build it with scripts/board/build.sh"
+[[ -f "$ROOTFS/.tandoor-board" ]] || die "no board at $ROOTFS; build it with scripts/board/build.sh --board $BOARD"
 ensure_binfmt
 [[ -f "$CPUINFO" ]] || die "no cpuinfo file $CPUINFO"
 

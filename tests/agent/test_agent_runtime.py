@@ -423,3 +423,112 @@ def test_auto_prefers_onnxruntime_when_armnn_has_no_acl_backend(base, tmp_path):
     want = "armnn" if {"CpuAcc", "GpuAcc"} & set(armnn.backends()) else "onnxruntime"
     assert {s["executor"] for s in result["subgraphs"]} == {want}
     assert all(s.get("fallback_reason") is None for s in result["subgraphs"])
+
+
+# --- 4. every input of a multi-input model (--input NAME=FILE) ----------------------------------
+
+def _two_input_model(path: Path) -> Path:
+    """y = relu(conv(x) + x2 * k): two inputs of different shapes, so a swap cannot pass."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(7)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    k = numpy_helper.from_array(rng.standard_normal((1, 4, 1, 1)).astype(np.float32), "k")
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Mul", ["x2", "k"], ["m"]),
+         helper.make_node("Add", ["c", "m"], ["a"]),
+         helper.make_node("Relu", ["a"], ["y"])], "two_inputs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8]),
+         helper.make_tensor_value_info("x2", TensorProto.FLOAT, [1, 4, 1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [w, k])
+    path.write_bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+                     .SerializeToString())
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("two_inputs")
+    src = _two_input_model(d / "two_inputs.onnx")
+    out = d / "two_inputs.hmod"
+    run_cli("tandoor", "compile", str(src), "-o", str(out), "-q", check=True)
+    return src, out
+
+
+def test_multi_input_model_takes_every_input_by_name(two_inputs, tmp_path):
+    import onnxruntime as ort
+
+    src, bundle = two_inputs
+    assert [i["name"] for i in manifest_of(bundle)["inputs"]] == ["x", "x2"]
+    rng = np.random.default_rng(11)
+    x, x2 = rng.standard_normal((1, 3, 8, 8)).astype(np.float32), rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+    np.save(tmp_path / "a.npy", x)
+    np.save(tmp_path / "b.npy", x2)
+    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, {"x": x, "x2": x2})[0]
+    for delegate in ("onnxruntime", "tvm"):  # given in either order: each goes to the input it names
+        _, outs, _ = run_json(bundle, tmp_path, "--delegate", delegate, "--input", f"x2={tmp_path / 'b.npy'}",
+                              "--input", f"x={tmp_path / 'a.npy'}")
+        ok, err = close(outs[0], want)
+        assert ok, f"two inputs via {delegate}: max abs err {err}"
+
+
+@pytest.mark.parametrize("given,code,says", [
+    (["{a}"], 2, "the model takes 2 input(s) (x, x2); give each as --input NAME=FILE"),
+    (["x={a}"], 2, "no --input for x2: the model takes 2 inputs (x, x2)"),
+    (["x={a}", "x2={b}", "x3={b}"], 2, "the model has no input 'x3' (its inputs: x, x2)"),
+    (["x={a}", "x={a}", "x2={b}"], 2, "--input x= given twice"),
+    (["x={a}", "x2={tmp}/nowhere.npy"], 2, "--input x2= {tmp}/nowhere.npy: no such file"),
+    (["x={b}", "x2={a}"], 3, "input x must have shape [1, 3, 8, 8], got [1, 4, 1, 8]"),
+])
+def test_multi_input_mistakes_are_one_line_each(two_inputs, tmp_path, given, code, says):
+    np.save(tmp_path / "a.npy", np.zeros((1, 3, 8, 8), np.float32))
+    np.save(tmp_path / "b.npy", np.zeros((1, 4, 1, 8), np.float32))
+    fmt = {"a": tmp_path / "a.npy", "b": tmp_path / "b.npy", "tmp": tmp_path}
+    args = [a for g in given for a in ("--input", g.format(**fmt))]
+    res = agent("run", str(two_inputs[1]), *args)
+    assert res.returncode == code, res.stderr
+    assert res.stdout == "" and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith("tandoor-agent: error: ") and says.format(**fmt) in res.stderr, res.stderr
+
+
+# --- 5. a lean process: TVM's runtime library only, no torch ----------------------------------
+
+def _wait_mapped(proc: subprocess.Popen, wanted: str, deadline_s: float = 180) -> set[str]:
+    """The shared objects the process maps once one named ``wanted`` (a suffix) is among them."""
+    from tandoor_agent.run.lean import mapped_libraries
+
+    import time
+
+    t_end = time.monotonic() + deadline_s
+    while True:
+        libs = mapped_libraries(proc.pid)
+        if any(lib.endswith(wanted) for lib in libs):
+            return libs
+        assert proc.poll() is None, f"the process exited ({proc.returncode}): {proc.stderr.read()}"
+        assert time.monotonic() < t_end, f"no {wanted} mapped within {deadline_s:.0f} s: {sorted(libs)}"
+        time.sleep(0.2)
+
+
+def test_agent_process_maps_no_tvm_compiler_and_no_torch(base):
+    """A `tandoor-agent run` process, looked at from outside while it serves (its /proc/PID/maps),
+    maps libtvm_runtime.so and the bundle's lib but not libtvm_compiler.so, nor torch's libraries,
+    although this venv has both (and a plain `import tvm` here maps the compiler: the control)."""
+    import importlib.util
+
+    control = subprocess.run([str(BIN / "python"), "-c", "import tvm; print(open('/proc/self/maps').read())"],
+                             capture_output=True, text=True, timeout=300)
+    assert "libtvm_compiler.so" in control.stdout, "the control: a plain import tvm maps the compiler here"
+    has_torch = importlib.util.find_spec("torch") is not None
+    proc = subprocess.Popen([str(BIN / "tandoor-agent"), "run", str(base), "--delegate", "onnxruntime",
+                             "--repeat", "100000000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        target = next(t for t, v in manifest_of(base)["targets"].items() if v["arch"] == hmod.machine_arch())
+        libs = _wait_mapped(proc, f"{target}.so")  # the VM is made: everything it needs is loaded
+        assert "libtvm_runtime.so" in libs
+        assert "libtvm_compiler.so" not in libs, sorted(libs)
+        torch_libs = sorted(lib for lib in libs if lib.startswith(("libtorch", "libc10")))
+        assert not torch_libs, f"torch is loaded in the agent (installed here: {has_torch}): {torch_libs}"
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -158,6 +158,25 @@ def test_backend_actually_used_is_reported():
         ex.close()
 
 
+def test_the_api_is_chosen_by_the_abi_found():
+    """This machine's libarmnn ABI has an entry in the table of what differs (20.08: 22, 23.08: 33),
+    and available() names the release it speaks."""
+    abi = ax._abi()
+    assert abi in ax.APIS, f"Arm NN ABI {abi} here, the executor speaks {sorted(ax.APIS)}"
+    assert ax.api() is ax.APIS[abi]
+    assert f"Arm NN {ax.APIS[abi].release}" in ax.available()[1]
+
+
+def test_an_unknown_abi_is_refused_with_what_to_install(monkeypatch):
+    monkeypatch.setattr(ax, "_abi", lambda: "29")
+    o = Order()
+    o.op("activation", [o.input("x", [1, 2, 2, 3])], "y", [1, 2, 2, 3], {"activation": {"kind": "relu"}})
+    order, blob = o.build(["y"])
+    with pytest.raises(ax.UnsupportedOrder, match=r"Arm NN ABI 29 is not one this executor speaks "
+                                                  r"\(20\.08 \(ABI 22\), 23\.08 \(ABI 33\)\); install"):
+        ax.ArmnnExecutor(order, blob)
+
+
 # --- conv2d -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stride", [1, 2])

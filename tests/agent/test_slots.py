@@ -396,6 +396,7 @@ def test_corrupt_state_json_is_kept_and_the_state_rebuilt(store, B, keys):
     committed(store, B["v2"], "j2", pub)
     garbage = b'{"version": 1, "primary": "b", "slo'
     (store.dir / "state.json").write_bytes(garbage)
+    (store.dir / "state.json.prev").write_bytes(b"\0" * 100)  # the previous state is no help either
     fresh = SlotStore(store.dir, trusted_keys=[pub])
     st = fresh.load()
     kept = list(store.dir.glob("state.json.corrupt-*"))
@@ -410,12 +411,67 @@ def test_corrupt_state_json_is_kept_and_the_state_rebuilt(store, B, keys):
     assert fresh.install(B["v3"], "j3", [pub]) == "b"
 
 
+def test_a_truncated_or_bit_flipped_state_json_goes_back_to_the_previous_state(tmp_path, B, keys):
+    """The state before the last write is kept (state.json.prev, a hard link); state.json cut in
+    half, or with one bit flipped in a sha256 that no invariant would catch (the checksum does),
+    is kept aside and the previous state, one step older and so consistent, comes back: here the
+    trial of j2, which recovery then rolls back, leaving v1 committed and serving."""
+    pub = keys["k1.pub"]
+    for damage in ("truncated", "bit flipped"):
+        store = SlotStore(tmp_path / damage.replace(" ", "-"))
+        committed(store, B["v1"], "j1", pub)
+        committed(store, B["v2"], "j2", pub)
+        good = (store.dir / "state.json").read_bytes()
+        assert json.loads((store.dir / "state.json.prev").read_text())["trial"]["job_id"] == "j2"
+        if damage == "truncated":
+            bad = good[: len(good) // 2]
+        else:
+            want = json.loads(good)["slots"]["b"]["sha256"]
+            i = good.index(want.encode()) + 5
+            bad = good[:i] + bytes([good[i] ^ 0x01]) + good[i + 1:]
+            st = json.loads(bad)  # still valid JSON with every invariant intact: only the checksum sees it
+            st.pop("checksum")
+            slots._check_state(st)
+        (store.dir / "state.json").write_bytes(bad)
+        fresh = SlotStore(store.dir, trusted_keys=[pub])
+        notes = fresh.recover_on_start()
+        assert any("state.json was corrupt" in n and "previous state" in n for n in notes), notes
+        assert [p.read_bytes() for p in store.dir.glob("state.json.corrupt-*")] == [bad]
+        st = assert_consistent(store.dir, pub, sha(B["v1"]))
+        assert st["jobs"]["j2"]["outcome"] == "rolled_back", st["jobs"]
+
+
+def test_nothing_safe_to_serve_refuses_to_start_in_one_line(tmp_path, B, keys):
+    """state.json and its previous copy damaged, and no slot bundle verifies: the real agent
+    refuses to start with one line saying how to repair (exit 24), not a traceback."""
+    from support.agents import write_config
+    from support.cli import run_cli
+
+    pub = keys["k1.pub"]
+    store = SlotStore(tmp_path / "slots")
+    committed(store, B["v1"], "j1", pub)
+    committed(store, B["v2"], "j2", pub)
+    for s_ in ("a", "b"):
+        flip_byte(store.bundle_path(s_), store.bundle_path(s_), "lib/host.so")
+    (store.dir / "state.json").write_bytes(b'{"version": 1, "prim')
+    (store.dir / "state.json.prev").write_bytes(b"")
+    cfg = write_config(tmp_path / "agent.toml", device_id="broken", slot_dir=str(store.dir), trusted_keys=[str(pub)],
+                       broker={"port": 1}, camera={"source": "synthetic:64x48@5"})
+    r = run_cli("tandoor-agent", "--config", str(cfg), timeout=300)
+    assert r.returncode == 24, r.stdout + r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("tandoor-agent: error:")]
+    assert len(err) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "is corrupt" in err[0] and "to repair, copy a signed bundle to" in err[0], err
+
+
 def test_state_that_breaks_an_invariant_is_treated_as_corrupt(store, B, keys):
     pub = keys["k1.pub"]
     committed(store, B["v1"], "j1", pub)
     st = json.loads((store.dir / "state.json").read_text())
     st["slots"]["a"]["state"] = "trial"  # primary in trial: impossible
+    st.pop("checksum")  # as an older agent (or a hand) wrote it: only the invariant is broken
     (store.dir / "state.json").write_text(json.dumps(st))
+    (store.dir / "state.json.prev").unlink()
     fresh = SlotStore(store.dir, trusted_keys=[pub])
     assert fresh.primary() == "a"
     assert any("primary slot a is trial, not good" in n for n in fresh.notes)
@@ -428,6 +484,7 @@ def test_corrupt_state_and_a_damaged_bundle(store, B, keys):
     committed(store, B["v2"], "j2", pub)
     flip_byte(store.bundle_path("a"), store.bundle_path("a"), "lib/host.so")
     (store.dir / "state.json").write_text("not json")
+    (store.dir / "state.json.prev").unlink()
     fresh = SlotStore(store.dir, trusted_keys=[pub])
     st = fresh.load()
     assert st["primary"] == "b" and st["slots"]["a"]["state"] == "bad"
@@ -639,3 +696,100 @@ def test_kill9_at_every_step_recovers_to_a_committed_slot(tmp_path, B, keys, flo
             restarted.install(new, "j2", [pub])
             assert (d / "state.json").read_bytes() == before
         shutil.rmtree(d)
+
+
+# --- 7. hostile bundles, fuzzed ------------------------------------------------------------------
+
+def _zip_with(entries: list[tuple[zipfile.ZipInfo | str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for info, data in entries:
+            z.writestr(info, data)
+    return buf.getvalue()
+
+
+def _hostile_cases(base: bytes, rng) -> list[tuple[str, bytes]]:
+    """(label, bundle bytes): flipped bytes anywhere, truncations, huge members, path tricks."""
+    cases = []
+    for _ in range(1200):
+        i = int(rng.integers(0, len(base)))
+        cases.append((f"flip@{i}", base[:i] + bytes([base[i] ^ int(rng.integers(1, 256))]) + base[i + 1:]))
+    for _ in range(200):
+        n = int(rng.integers(0, len(base)))
+        cases.append((f"truncated@{n}", base[:n]))
+    with zipfile.ZipFile(io.BytesIO(base)) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    man = members["manifest.json"]
+    for name in ("../escape.so", "/abs/escape.so", "lib/../../escape.so", "lib\\escape.so", "lib/./x.so",
+                 "lib//x.so", "nul\x00.so", "C:/escape.so", "lib/", ""):
+        info = zipfile.ZipInfo(name or "x")
+        if not name:
+            info.filename = ""
+        cases.append((f"name {name!r}", _zip_with([("manifest.json", man), (info, b"\x7fELF")])))
+    for mode, what in ((0o120777, "symlink"), (0o020644, "char device"), (0o010644, "fifo"), (0o040755, "directory")):
+        info = zipfile.ZipInfo("lib/host.so")
+        info.external_attr = mode << 16
+        cases.append((what, _zip_with([("manifest.json", man), (info, b"/etc/passwd")])))
+    cases.append(("duplicate member", _zip_with([("manifest.json", man), *members.items(), ("lib/host.so", b"evil")])))
+    cases.append(("extra member of 20 MiB", _zip_with([*members.items(), ("lib/extra.so", bytes(20 << 20))])))
+    cases.append(("manifest of 8 MiB", _zip_with([("manifest.json", b" " * (8 << 20) + man),
+                                                   *[(n, d) for n, d in members.items() if n != "manifest.json"]])))
+    # a member whose headers claim 8 GiB: the sizes in the local and central headers are lies
+    lie = bytearray(base)
+    for sig, off in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
+        at = lie.find(sig, lie.find(b"lib/host.so") - 200 if sig == b"PK\x03\x04" else 0)
+        while at != -1 and b"lib/host.so" not in bytes(lie[at:at + 120]):
+            at = lie.find(sig, at + 4)
+        if at != -1:
+            lie[at + off:at + off + 4] = (0xFFFFFFF0).to_bytes(4, "little")
+    cases.append(("a member claiming 4 GiB", bytes(lie)))
+    comp = io.BytesIO()
+    with zipfile.ZipFile(comp, "w", zipfile.ZIP_DEFLATED) as z:
+        for n, d in members.items():
+            z.writestr(n, d)
+        z.writestr("lib/bomb.so", bytes(64 << 20))  # 64 MiB of zeros in a few KiB: a decompression bomb
+    cases.append(("deflated, with a bomb", comp.getvalue()))
+    return cases
+
+
+@pytest.mark.filterwarnings("ignore:Duplicate name:UserWarning")  # the duplicate-member case, on purpose
+def test_hostile_bundles_are_each_refused_with_a_reason_and_never_used(tmp_path, B, keys, capsys):
+    """A seeded mutation loop over a real signed bundle, through the device's install gate
+    (SlotStore.install, what every update job goes through): every case is refused with an
+    InstallRefused naming a kind and a reason, or (a flip in zip metadata that no reader uses)
+    installs exactly the original members; nothing lands outside the slot directory, nothing is
+    extracted, the committed slot keeps serving v1. The number of cases is printed."""
+    import numpy as np
+
+    pub = keys["k1.pub"]
+    store = SlotStore(tmp_path / "slots")
+    committed(store, B["v1"], "seed", pub)
+    base = B["v2"].read_bytes()
+    with zipfile.ZipFile(B["v2"]) as z:
+        originals = {n: z.read(n) for n in z.namelist()}
+    outside = set(p.name for p in tmp_path.iterdir())
+    src = tmp_path / "case.hmod"
+    kinds: dict[str, int] = {}
+    accepted = 0
+    cases = _hostile_cases(base, np.random.default_rng(20261201))
+    for k, (label, data) in enumerate(cases):
+        src.write_bytes(data)
+        try:
+            slot = store.install(src, f"fuzz-{k}", [pub])
+        except InstallRefused as e:
+            assert e.kind and e.kind not in ("install_refused",) and str(e), (label, e)
+            assert "\n" not in str(e), (label, str(e))
+            kinds[e.kind] = kinds.get(e.kind, 0) + 1
+            continue
+        except Exception as e:  # anything else is a bug: a traceback where a reason belongs
+            pytest.fail(f"{label}: {type(e).__name__}: {e}")
+        accepted += 1
+        with zipfile.ZipFile(store.bundle_path(slot)) as z:
+            assert {n: z.read(n) for n in z.namelist()} == originals, label
+        store.rollback("fuzz: the next case")
+    print(f"\nhostile bundles: {len(cases)} cases, {len(cases) - accepted} refused {dict(sorted(kinds.items()))}, "
+          f"{accepted} harmless flips installed the original members unchanged")
+    assert len(cases) >= 1400 and accepted < len(cases) // 10
+    assert set(p.name for p in tmp_path.iterdir()) - {"case.hmod", "slots"} == outside - {"case.hmod", "slots"}
+    assert not list(tmp_path.rglob("escape.so")) and not list(tmp_path.rglob("*bomb*"))
+    assert_consistent(store.dir, pub, sha(B["v1"]))

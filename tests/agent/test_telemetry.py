@@ -299,7 +299,8 @@ def test_snapshot_layout_is_json_with_every_key(tmp_path):
     text = json.dumps(snap, allow_nan=False)
     back = json.loads(text)
     assert set(back) == {"ts", "fps", "frames", "dropped", "errors", "latency_ms", "cpu_percent", "rss_mb",
-                         "temperatures_c", "power", "energy_j", "energy_per_inference_mj"}
+                         "temperatures_c", "power", "energy_j", "energy_per_inference_mj", "objects"}
+    assert back["objects"] is None  # no detector frame was counted
     assert (back["frames"], back["dropped"], back["errors"]) == (20, 4, 1)
     assert set(back["latency_ms"]) == {"capture", "preprocess", "inference", "postprocess"}
     for stage in back["latency_ms"].values():
@@ -359,3 +360,19 @@ def test_rapl_preferred_over_generic_hwmon(tmp_path):
     trees.rapl(tmp_path)
     trees.hwmon_ina226(tmp_path)
     assert [r.name for r in discover(tmp_path)] == ["rapl", "hwmon"]
+
+
+def test_object_counts_per_window():
+    """Per-class detections over the frames of one window, then the next window starts empty."""
+    from tandoor_agent.telemetry import ObjectCounts
+
+    c = ObjectCounts()
+    assert c.take() is None
+    for labels in (["face", "face", "car"], [], ["face"], ["car", "car", "car"]):
+        c.add(labels)
+    w = c.take()
+    assert w == {"frames": 4, "counts": {"car": 4, "face": 3}, "max": {"car": 3, "face": 2},
+                 "mean": {"car": 1.0, "face": 0.75}}
+    assert c.take() == {"frames": 0, "counts": {}, "max": {}, "mean": {}}
+    c.add(["person"])
+    assert c.take()["counts"] == {"person": 1}

@@ -21,6 +21,7 @@ directories, the host side (fleet/rollout.py and `tandoor fleet`) sending real s
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -33,6 +34,7 @@ from support.bundle_edit import sha
 from support.cli import BIN
 from support.mosquitto import Broker, Recorder, available
 from tandoor_agent.update import slots
+from tandoor_contract import hmod
 from support.agents import START_TIMEOUT, AgentProcess, agent_config, make_bundles, running_sha, seed_slots, status_of, write_config  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not available(), reason="mosquitto is not installed (apt install mosquitto)")
@@ -185,7 +187,7 @@ def test_malformed_offers_and_a_job_while_another_runs(devs, broker, B):
         rec.publish("tandoor/u1/update/job", bad)
         a = rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack", 20, "error ack").json()
         assert a["state"] == "failed" and a["kind"] == "malformed" and "malformed" in a["reason"], a
-    # busy: job X is offered but its chunks are held back; job Y arrives meanwhile
+    # busy: job X is offered but its chunks are held back; an older job Y arrives meanwhile
     release = threading.Event()
 
     def hold(dev, i, attempt, data):
@@ -197,12 +199,45 @@ def test_malformed_offers_and_a_job_while_another_runs(devs, broker, B):
     rec.clear()
     th.start()
     rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json()["job_id"] == "job-x", 30, "job-x accepted")
-    y = deploy(broker.port, B["v3"], ["u1"], job_id="job-y", timeout=30)["devices"]["u1"]
-    assert y["state"] == "failed" and y["kind"] == "busy" and y["reason"] == "busy: job job-x running", y
+    rec.publish("tandoor/u1/update/job", json.dumps(offer_for(B["v3"], "job-y", issued=1.0)))
+    y = rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json()["job_id"] == "job-y", 30, "job-y").json()
+    assert y["state"] == "failed" and y["kind"] == "busy" and y["running"] == "job-x", y
+    # the refusal names the running job, its progress and when it ends by itself
+    assert y["reason"].startswith("busy: job job-x running (received, 0 of "), y
+    assert "expires" in y["reason"] and y["running_expires"] > time.time(), y
     release.set()  # the device asks again (need) and gets the chunks
     th.join(150)
     assert box["devices"]["u1"]["state"] == "failed" and box["devices"]["u1"]["kind"] == "bad_signature"
     assert rec.on("tandoor/u1/update/need"), "the device asked for the chunks it missed"
+    running_sha(rec, "u1", sha(B["v2"]))
+
+
+def offer_for(bundle: Path, job_id: str, chunk: int = CHUNK, **fields) -> dict:
+    """A valid offer for ``bundle``, written here (not by the fleet code), with ``fields`` on top."""
+    import hashlib
+
+    data = bundle.read_bytes()
+    parts = [data[i:i + chunk] for i in range(0, len(data), chunk)]
+    return {"job_id": job_id, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "chunk_size": chunk,
+            "n_chunks": len(parts), "chunk_sha256": [hashlib.sha256(c).hexdigest() for c in parts],
+            "deadline": time.time() + 300, **fields}
+
+
+def test_a_newer_job_supersedes_one_still_downloading(devs, broker, B):
+    """Job S1's chunks never come (its host died, say); job S2, issued later, takes over at
+    once: S1 ends `cancelled` (kind superseded, naming S2), S2 runs to its own end."""
+    rec = devs["rec"]
+    box = {}
+    th = threading.Thread(target=lambda: box.update(deploy(broker.port, B["v3"], ["u1"], job_id="job-s1",
+                                                           timeout=60, chunk_hook=lambda *a: None)))
+    rec.clear()
+    th.start()
+    rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json()["job_id"] == "job-s1", 30, "s1 accepted")
+    s2 = deploy(broker.port, B["k2"], ["u1"], job_id="job-s2", timeout=60)["devices"]["u1"]
+    assert s2["state"] == "failed" and s2["kind"] == "bad_signature", s2  # its own end, not busy
+    th.join(90)
+    s1 = box["devices"]["u1"]
+    assert s1["state"] == "cancelled" and s1["kind"] == "superseded" and s1["superseded_by"] == "job-s2", s1
     running_sha(rec, "u1", sha(B["v2"]))
 
 
@@ -393,3 +428,430 @@ def test_full_disk_while_staging_is_refused_and_the_old_model_keeps_serving(wd, 
                 a.stop()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# --- no stuck device: the deploy killed mid-transfer ------------------------------------------------
+
+def padded(B: dict, name: str, mb: int, version_: str) -> Path:
+    """``B["v2"]`` made ``mb`` MiB bigger (random bytes in a listed member), signed with k1: a
+    transfer that takes long enough to be killed in the middle."""
+    import os
+
+    from support.bundle_edit import rewrite
+
+    out = B["pub"].parent / f"{name}.hmod"
+    if not out.exists():
+        def edit(man, members):
+            man["model"]["version"] = version_
+            members["padding.bin"] = os.urandom(mb << 20)
+        rewrite(B["v2"], out, edit, B["pub"].parent / "k1.pem")
+    return out
+
+
+def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, broker, B):
+    """`tandoor fleet deploy` SIGKILLed in the middle of a transfer, with a stall timeout of 600 s
+    in its offer: the device sits in `received`, part of the bundle on disk. `tandoor fleet cancel`
+    drops the job there at once (cancelled, with how far it got); a new deploy then commits
+    without waiting for the dead job's timeout, and the dead job's offer offered again is answered
+    from the record (cancelled), not resumed."""
+    dev = "stuck"
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    big = padded(B, "v2-big", 24, "2")
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec)
+        try:
+            host = subprocess.Popen([str(BIN / "tandoor"), "fleet", "deploy", str(big), "--devices", dev, "--broker", url,
+                                     "--job-id", "job-dead", "--chunk-size", str(CHUNK), "--stall-timeout", "600",
+                                     "--timeout", "900"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            first = rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json()["job_id"] == "job-dead",
+                                 60, "the offer accepted").json()
+            assert first["state"] == "received" and first["count"] == 0, first
+            host.kill()  # SIGKILL: no goodbye, chunks stop mid-transfer
+            assert host.wait(10) == -9
+            part = sd / "staging" / "job-dead.hmod.part"
+            assert part.exists(), "a partial download is on the device"
+            t0 = time.monotonic()
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "cancel", "job-dead", "--devices", dev, "--broker", url,
+                                "--json"], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr
+            c = json.loads(r.stdout)[dev]
+            assert c["state"] == "cancelled" and c["kind"] == "cancelled", c
+            assert c["count"] < c["n_chunks"], c  # it was cut in the middle
+            assert not part.exists(), "the partial download is gone"
+            out = deploy(broker.port, B["v3"], [dev], job_id="job-after", timeout=120)
+            assert out["devices"][dev]["state"] == "committed", out
+            assert time.monotonic() - t0 < 120, "no wait for the dead job's 600 s stall timeout"
+            running_sha(rec, dev, sha(B["v3"]))
+            # the dead job offered again (a late retry): answered from the record, nothing resumed
+            again = deploy(broker.port, big, [dev], job_id="job-dead", timeout=60)["devices"][dev]
+            assert again["state"] == "cancelled" and again.get("repeated") is True, again
+            running_sha(rec, dev, sha(B["v3"]))
+        finally:
+            a.stop()
+
+
+def test_an_older_bundle_is_refused_unless_the_job_allows_a_downgrade(wd, broker, B):
+    """TUF's rollback-attack defence: v1, validly signed, offered to a device on v3 is refused
+    (`failed`, kind downgrade, naming both versions) and v3 keeps serving; the same bundle with
+    --allow-downgrade commits. (`tandoor fleet rollback` to the previous slot is a command, not an
+    offer, and stays allowed: test_rollback_command_returns_to_the_previous_slot.)"""
+    dev = "down"
+    sd = seed_slots(wd / f"{dev}-slots", B["v3"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec)
+        try:
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v1"]), "--devices", dev, "--broker", url,
+                                "--job-id", "job-replay", "--json"], capture_output=True, text=True, timeout=200)
+            assert r.returncode == 1, r.stdout + r.stderr
+            d = json.loads(r.stdout)["devices"][dev]
+            assert d["state"] == "failed" and d["kind"] == "downgrade", d
+            assert "version 1 is older than the committed version 3" in d["reason"] and "--allow-downgrade" in d["reason"]
+            running_sha(rec, dev, sha(B["v3"]))
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v1"]), "--devices", dev, "--broker", url,
+                                "--job-id", "job-downgrade", "--allow-downgrade", "--json"],
+                               capture_output=True, text=True, timeout=200)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert json.loads(r.stdout)["devices"][dev]["state"] == "committed"
+            running_sha(rec, dev, sha(B["v1"]))
+        finally:
+            a.stop()
+
+
+# --- crash loops: a committed model that kills the agent natively ------------------------------------
+
+def crashing_bundle(B: dict, out: Path) -> Path:
+    """``B["v2"]`` whose host library traps (``ud2``: SIGILL) at the entry of every TVM kernel, so
+    the first inference kills the process natively; re-signed with the test key (k1)."""
+    import re as _re
+
+    from support.bundle_edit import members_of
+
+    man, members = members_of(B["v2"])
+    lib_name = man["targets"]["host"]["lib"]
+    so = out.with_suffix(".so")
+    so.write_bytes(members[lib_name])
+    loads = [tuple(int(x, 16) for x in m.groups()) for m in _re.finditer(
+        r"LOAD\s+(0x[0-9a-f]+)\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+\s+(0x[0-9a-f]+)",
+        subprocess.run(["readelf", "-lW", str(so)], capture_output=True, text=True, check=True).stdout)]
+    syms = [(int(a, 16), n) for a, t, n in (ln.split() for ln in subprocess.run(
+        ["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout.splitlines()
+        if ln.count(" ") == 2) if t == "T" and n.startswith("__tvm_ffi_") and n != "__tvm_ffi__library_bin"]
+    assert syms, "no TVM kernels in the host library"
+    lib = bytearray(members[lib_name])
+    for addr, _ in syms:
+        off, vaddr, size = next((o, v, s) for o, v, s in loads if v <= addr < v + s)
+        lib[addr - vaddr + off:addr - vaddr + off + 2] = b"\x0f\x0b"  # ud2
+    members[lib_name] = bytes(lib)
+    man.pop("files")
+    man["model"]["version"] = "crash"
+    hmod.write_bundle(out, man, members, private_key=B["pub"].parent / "k1.pem")
+    return out
+
+
+def test_a_committed_model_that_crashes_natively_is_rolled_back_after_n_starts(wd, broker, B):
+    """A bundle, signed with the test key, whose library dies with SIGILL on its first inference,
+    committed in slot b over v1 (as if its gate had passed: live input the golden pairs do not
+    have). Restarted after every death as systemd would: each start is counted in state.json
+    before the model is opened (RAUC's boot attempts), and the start after the third death rolls
+    the commit back, serves v1, reports the job `rolled_back` (kind crash_loop) and says so in its
+    birth message."""
+    from tandoor_agent.update.jobs import BOOT_ATTEMPTS
+    from tandoor_agent.update.slots import SlotStore
+
+    dev = "crashy"
+    bad = crashing_bundle(B, wd / "crash.hmod")
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    store = SlotStore(sd)
+    store.install(bad, "job-crash", [B["pub"]])
+    store.commit("committed by the test: its gate could not see the fault")
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    deaths = []
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        for start in range(BOOT_ATTEMPTS + 1):
+            a = AgentProcess(["--config", str(cfg)], wd / f"{dev}-{start}.log")
+            if start < BOOT_ATTEMPTS:
+                try:
+                    rc = a.proc.wait(START_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    a.kill()
+                    pytest.fail(f"start {start}: the crashing model did not crash: {a.output()[-2000:]}")
+                a.stop()
+                deaths.append(rc)
+                st = json.loads((sd / "state.json").read_text())
+                assert st["primary"] == "b" and st["boot"]["attempts"] == start + 1, st.get("boot")
+                continue
+            try:
+                birth = status_of(rec, dev, START_TIMEOUT, lambda s: s.get("online") and s.get("state") == "running"
+                                  and "update" in s, "the birth message after the rollback")
+                assert birth["update"]["kind"] == "crash_loop" and birth["update"]["rolled_back"] == "job-crash", birth
+                assert birth["model"]["sha256"] == sha(B["v1"]) and birth["slot"] == "a", birth
+                ack = rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json().get("job_id") == "job-crash",
+                                   60, "the crash-loop ack").json()
+                assert ack["state"] == "rolled_back" and ack["kind"] == "crash_loop", ack
+                assert f"{BOOT_ATTEMPTS} starts in a row" in ack["reason"], ack
+                serving_frames(rec, dev)
+                assert_committed_state(sd, sha(B["v1"]))
+            finally:
+                a.stop()
+    assert deaths == [-signal.SIGILL] * BOOT_ATTEMPTS, deaths
+
+
+# --- key rotation -----------------------------------------------------------------------------------
+
+def test_key_rotation_add_then_retire_and_a_retired_keys_bundle_is_refused(wd, broker, B):
+    """A device trusting k1 only: `tandoor fleet keys add k2.pub --sign-with k1.pem` makes it trust
+    both (a k2-signed bundle commits and serves); `keys retire <k1> --sign-with k2.pem` leaves k2
+    alone: a k1-signed bundle is refused (kind retired_key), a replayed add-key and a command
+    signed by the retired key are refused; after a restart the keyring still holds (the committed
+    k2 bundle opens, k1 stays retired)."""
+    dev = "keys"
+    d = B["pub"].parent
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
+    url = f"mqtt://127.0.0.1:{broker.port}"
+    fp = {k: hmod.key_fingerprint(hmod.load_public_key(d / f"{k}.pub.pem")) for k in ("k1", "k2")}
+
+    def keys_cli(*args):
+        r = subprocess.run([str(BIN / "tandoor"), "fleet", "keys", *args, "--devices", dev, "--broker", url, "--json"],
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, json.loads(r.stdout)[dev] if r.stdout.strip().startswith("{") else r.stderr
+
+    with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+        a = start_agent(wd, dev, cfg, rec)
+        try:
+            out = deploy(broker.port, B["k2"], [dev], job_id="job-k2-early")["devices"][dev]
+            assert out["state"] == "failed" and out["kind"] == "bad_signature", out  # not trusted yet
+            rc, r = keys_cli("add", str(d / "k2.pub.pem"), "--sign-with", str(d / "k1.pem"))
+            assert rc == 0 and r["ok"] and sorted(r["trusted"]) == sorted(fp.values()), r
+            out = deploy(broker.port, B["k2"], [dev], job_id="job-k2")["devices"][dev]
+            assert out["state"] == "committed", out
+            running_sha(rec, dev, sha(B["k2"]))
+            rc, r = keys_cli("retire", fp["k1"], "--sign-with", str(d / "k2.pem"))
+            assert rc == 0 and r["ok"] and r["trusted"] == [fp["k2"]], r
+            out = deploy(broker.port, B["v4"], [dev], job_id="job-k1-after", allow_downgrade=True)["devices"][dev]
+            assert out["state"] == "failed" and out["kind"] == "retired_key" and fp["k1"] in out["reason"], out
+            rc, r = keys_cli("add", str(d / "k1.pub.pem"), "--sign-with", str(d / "k1.pem"))  # signed by the retired key
+            assert rc == 1 and r["kind"] == "bad_signature", r
+            rc, r = keys_cli("retire", fp["k2"], "--sign-with", str(d / "k2.pem"))
+            assert rc == 1 and r["kind"] == "last_key", r  # never left with no key
+        finally:
+            a.stop()
+        retire = next(m for m in rec.on(f"tandoor/{dev}/update/keys") if m.json()["op"] == "retire-key")
+        b = start_agent(wd, dev, cfg, rec, tag="-2")
+        try:
+            running_sha(rec, dev, sha(B["k2"]))  # the k2 bundle opens at start: the keyring persisted
+            out = deploy(broker.port, B["v5"], [dev], job_id="job-k1-restart", allow_downgrade=True)["devices"][dev]
+            assert out["state"] == "failed" and out["kind"] == "retired_key", out
+            rec.publish(f"tandoor/{dev}/update/keys", retire.payload)  # the applied command, replayed byte for byte
+            ack = rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json().get("key_op") == retire.json()["id"]
+                               and m.t > retire.t, 30, "the replay's answer").json()
+            assert ack["ok"] is False and ack["kind"] == "replayed", ack
+        finally:
+            b.stop()
+
+
+# --- flaky links: a fault-injecting TCP proxy between the agent and the broker ------------------------
+
+class FlakyProxy:
+    """127.0.0.1:port -> the broker, one thread per direction per connection. ``cut()`` resets
+    every connection (RST), ``pause(s)`` holds all bytes for s seconds (longer than the
+    keepalive: the session dies), ``trickle(s)`` forwards one byte at a time for s seconds.
+    ``down`` counts the bytes that went broker -> agent."""
+
+    def __init__(self, upstream: int) -> None:
+        import socket
+
+        self.upstream = upstream
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self.conns: list = []
+        self.down = 0
+        self.paused_until = 0.0
+        self.trickle_until = 0.0
+        self.cuts = 0
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stop:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            except OSError:
+                c.close()
+                continue
+            self.conns.append((c, u))
+            threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
+
+    def _pump(self, src, dst, downstream: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                while time.monotonic() < self.paused_until:
+                    time.sleep(0.05)
+                if time.monotonic() < self.trickle_until:
+                    for i in range(len(data)):
+                        dst.sendall(data[i:i + 1])
+                        time.sleep(0.001)
+                else:
+                    dst.sendall(data)
+                if downstream:
+                    self.down += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        import socket
+        import struct
+
+        self.cuts += 1
+        for c, u in self.conns:
+            for s in (c, u):
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    s.close()
+                except OSError:
+                    pass
+        self.conns.clear()
+
+    def pause(self, seconds: float) -> None:
+        self.paused_until = time.monotonic() + seconds
+
+    def trickle(self, seconds: float) -> None:
+        self.trickle_until = time.monotonic() + seconds
+
+    def close(self) -> None:
+        self._stop = True
+        self.lsock.close()
+        self.cut()
+
+
+def test_a_transfer_through_a_flaky_link_resumes_and_commits_once(wd, broker, B):
+    """The agent reaches the broker through FlakyProxy while an 8 MiB bundle comes in 16 KiB
+    chunks: the connection is cut (RST) a third of the way, then all bytes are held for 25 s
+    (longer than the 10 s keepalive) two thirds of the way, then trickled a byte at a time. The
+    transfer resumes each time asking only for what is missing, the job commits once (one
+    `committed` ack, one commit in the slot history), and the agent serves the new model."""
+    dev = "flaky"
+    big = padded(B, "v3-8m", 8, "3")
+    size = big.stat().st_size
+    sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
+    proxy = FlakyProxy(broker.port)
+    cfg = agent_config(wd, dev, proxy.port, sd, B["pub"])
+    faults: list[str] = []
+
+    def inject():
+        deadline = time.monotonic() + 240
+        base = proxy.down
+        for at, what in ((1 / 3, "cut"), (2 / 3, "pause"), (0.8, "trickle")):
+            while proxy.down - base < at * size and time.monotonic() < deadline:
+                time.sleep(0.01)
+            faults.append(f"{what} at {proxy.down - base} of {size} bytes")
+            {"cut": proxy.cut, "pause": lambda: proxy.pause(25), "trickle": lambda: proxy.trickle(3)}[what]()
+            if what == "pause":
+                time.sleep(25)
+
+    try:
+        with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
+            a = start_agent(wd, dev, cfg, rec)
+            try:
+                th = threading.Thread(target=inject, daemon=True)
+                th.start()
+                out = deploy(broker.port, big, [dev], job_id="job-flaky", timeout=300)
+                th.join(60)
+                assert out["devices"][dev]["state"] == "committed", (out, faults)
+                assert len(faults) == 3 and proxy.cuts >= 1, faults
+                needs = [m.json() for m in rec.on(f"tandoor/{dev}/update/need") if m.json()["job_id"] == "job-flaky"]
+                resumed = [n for n in needs if n.get("reconnected")]
+                assert len(resumed) >= 2, needs  # after the cut and after the session died in the pause
+                assert all(0 < n["n_missing"] < n["n_chunks"] for n in resumed), resumed  # only what was missing
+                states = [x["state"] for x in acks(rec, dev, "job-flaky")]
+                assert states.count("committed") == 1 and states.count("trial") == 1, states
+                hist = json.loads((sd / "state.json").read_text())["history"]
+                assert [h["op"] for h in hist if h.get("job_id") == "job-flaky"].count("commit") == 1, hist
+                running_sha(rec, dev, sha(big))
+                serving_frames(rec, dev)
+            finally:
+                a.stop()
+    finally:
+        proxy.close()
+
+
+def test_a_job_without_progress_is_dropped_after_the_offered_stall_timeout(devs, broker, B):
+    """No chunk ever arrives (every send dropped), and the offer says stall_timeout_s 4: the
+    device drops the job by itself and says so (failed, kind stalled, with how far it got), well
+    before the job's deadline; the old model keeps serving."""
+    rec = devs["rec"]
+    t0 = time.monotonic()
+    out = deploy(broker.port, B["v5"], ["u2"], job_id="job-stall", timeout=240, stall_timeout_s=4,
+                 chunk_hook=lambda *a: None)["devices"]["u2"]
+    assert out["state"] == "failed" and out["kind"] == "stalled", out
+    assert "no progress for 4 s" in out["reason"] and out["count"] == 0, out
+    assert time.monotonic() - t0 < 60
+    running_sha(rec, "u2", sha(B["v3"]))
+
+
+def test_every_state_and_kind_the_device_sends_is_in_the_contract_tables():
+    """A job state exists in tandoor_contract.protocol.JOB_STATES or nowhere, and every final
+    ack's kind in protocol.KINDS (which says whether it is recorded): checked against the code
+    that sends them, and at run time by the one ack function."""
+    import re
+
+    from tandoor_agent.update import jobs
+    from tandoor_contract import protocol
+
+    root = Path(jobs.__file__).parent
+    code = (root / "jobs.py").read_text()
+    states = set(re.findall(r'self\._(?:ack|final)\((?:[\w.]+|_job_id_of\(payload\)), "([a-z_]+)"', code))
+    assert states and states <= set(protocol.JOB_STATES), states - set(protocol.JOB_STATES)
+    kinds = set(re.findall(r'kind="([a-z_]+)"', code))
+    slots_code = (root / "slots.py").read_text()
+    kinds |= set(re.findall(r'InstallRefused\([^)]*kind="([a-z_]+)"', slots_code, re.S))
+    kinds |= set(slots._BUNDLE_KINDS.values())
+    kinds |= {"malformed", "stale", "not_supported", "stalled", "io_error"}  # built from variables in jobs.py
+    assert kinds <= set(protocol.KINDS), kinds - set(protocol.KINDS)
+    for k in protocol.KINDS.values():
+        assert protocol.is_final(k.state), k
+    up = jobs.Updater(None, "tandoor/d", lambda *a: None)
+    with pytest.raises(ValueError, match="not a job state"):
+        up._ack("j", "half-done")
+
+
+def test_deploy_over_the_artifact_url_transport_with_the_cli(devs, broker, B):
+    """`tandoor fleet deploy --transport url --serve 127.0.0.1:0`: the host serves the bundle over
+    HTTP while the deploy runs, the real agent downloads it with Range requests (no chunk on MQTT),
+    verifies and commits it as over MQTT."""
+    rec = devs["rec"]
+    rec.clear()
+    r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v4"]), "--devices", "u1", "--broker",
+                        f"mqtt://127.0.0.1:{broker.port}", "--job-id", "job-url", "--transport", "url",
+                        "--serve", "127.0.0.1:0", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["devices"]["u1"]["state"] == "committed" and out["transport"] == "url", out
+    assert out["url"].startswith("http://127.0.0.1:") and out["artifact_server"]["bytes"] == out["size"], out
+    assert "serving the bundle at http://127.0.0.1:" in r.stderr
+    assert not [m for m in rec.messages if "/update/chunk/" in m.topic and "job-url" in m.topic]
+    running_sha(rec, "u1", sha(B["v4"]))
+    serving_frames(rec, "u1")

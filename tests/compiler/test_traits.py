@@ -269,3 +269,14 @@ def test_an_internal_failure_is_one_line_naming_the_stage_and_debug_shows_the_tr
     res = run_cli("tandoor", "compile", str(src), "-o", str(tmp_path / "fp.hmod"), "-q", "--debug", env=env)
     assert res.returncode == 3 and "Traceback" in res.stderr and "failpoint compile:codegen" in res.stderr
     assert not (tmp_path / "fp.hmod").exists() and not list(tmp_path.glob(".fp.hmod*"))
+
+
+def test_a_build_number_travels_in_the_signed_manifest_and_orders_releases(tmp_path):
+    from tandoor_contract import hmod
+
+    res, _, out = compile_(tmp_path, "build7", _fully_conv(1, 8, 8), "--build", "7", "--no-check")
+    assert res.returncode == 0, res.stderr
+    man = manifest_of(out)
+    assert man["build"] == 7
+    assert "build 5 is older than the committed build 7" in hmod.downgrade_reason({**man, "build": 5}, man)
+    assert hmod.downgrade_reason({**man, "build": 8}, man) is None

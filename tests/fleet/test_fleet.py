@@ -150,7 +150,17 @@ def test_secured_broker_refuses_another_devices_topics(tmp_path):
         assert op.pub("tandoor/dev2/cmd", b'{"cmd": "ping"}') == 0
         assert op.pub("tandoor/dev2/update/chunk/j/0", b"chunk for dev2") == 0
         assert op.pub("tandoor/dev1/update/job", b'{"for": "dev1"}') == 0
+        # the fleet-wide chunk topic: every device reads it, only the operator writes it
+        assert d1.sub("tandoor/~fleet/update/chunk/job-g/#") == 1 and d2.sub("tandoor/~fleet/update/chunk/job-g/#") == 1
+        assert d1.sub("tandoor/dev1/update/cancel") == 1 and d1.sub("tandoor/dev1/update/keys") == 1
+        assert d1.pub("tandoor/~fleet/update/chunk/job-g/0", b"forged fleet chunk") == NOT_AUTHORIZED
+        assert op.pub("tandoor/~fleet/update/chunk/job-g/0", b"chunk for the wave") == 0
+        assert op.pub("tandoor/dev1/update/cancel", b'{"job_id": "job-g"}') == 0
         time.sleep(1.0)
+        for c in (d1, d2):
+            assert ("tandoor/~fleet/update/chunk/job-g/0", b"chunk for the wave") in c.msgs, c.msgs
+        assert ("tandoor/dev1/update/cancel", b'{"job_id": "job-g"}') in d1.msgs
+        d1.msgs[:] = [m for m in d1.msgs if "~fleet" not in m[0] and not m[0].endswith("/cancel")]
         assert ("tandoor/dev2/cmd", b'{"cmd": "ping"}') in d2.msgs
         assert ("tandoor/dev2/update/chunk/j/0", b"chunk for dev2") in d2.msgs
         assert [t for t, _ in d1.msgs] == ["tandoor/dev1/update/job"], d1.msgs
@@ -323,5 +333,22 @@ def test_fleet_sim_smoke_10_agents(tmp_path, B):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["counts"] == {"committed": 10} and res["waves"] == [2, 8]
-    assert res["per_device"]["bytes_to"] >= res["bundle_bytes"]
+    # each chunk went once per wave on the fleet-wide topic: every device got the bundle about once,
+    # and the host sent about two bundles (one per wave) plus offers, not ten
+    got = res["device_received"]
+    assert 1.0 <= got["x_bundle_mean"] and got["x_bundle_max"] <= 1.1, got
+    assert res["per_device"]["bytes_to"] < res["bundle_bytes"] / 2, res["per_device"]
     assert res["broker"]["bytes_sent"] and res["broker"]["bytes_sent"] > 10 * res["bundle_bytes"]
+
+
+def test_fleet_sim_url_transport_10_agents(tmp_path, B):
+    """The same with --transport url: the host's artifact server on 127.0.0.1, Range requests."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "fleet-sim.py"), "--agents", "10", "--processes", "2",
+                        "--canary", "20", "--transport", "url", "--bundle", str(B["v2"]), "--seed-bundle", str(B["v1"]),
+                        "--pub", str(B["pub"]), "--json"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["counts"] == {"committed": 10} and res["transport"] == "url"
+    assert 1.0 <= res["device_received"]["x_bundle_mean"] <= 1.1, res["device_received"]
+    # the broker carried only the control plane: offers, acks
+    assert res["broker"]["bytes_sent"] < 2 * res["bundle_bytes"], res["broker"]

@@ -1,4 +1,4 @@
-"""Run one order (docs/bundle-format.md) through Arm NN (pyarmnn 20.08).
+"""Run one order (docs/bundle-format.md) through Arm NN (pyarmnn 20.08 or 23.08).
 
 The order is built layer by layer into an ``INetwork`` (no parser), optimised for the preferred
 backends that this machine actually has (CpuAcc = ACL NEON, GpuAcc = ACL OpenCL, CpuRef =
@@ -6,19 +6,22 @@ reference), and loaded once into an ``IRuntime``. Anything that cannot be built 
 :class:`UnsupportedOrder` with a one-line reason, so that the caller can fall back to another
 executor.
 
-Arm NN 20.08 facts this module depends on (all checked numerically by
-tests/test_armnn_executor.py on CpuRef):
+Two Arm NN Python APIs are spoken, chosen by the ABI of the libarmnn found (``APIS``, the one table
+of what differs): 20.08 (ABI 22; Debian 12, Ubuntu 22.04) and 23.08 (ABI 33; Debian 13, Ubuntu
+24.04; the last Arm NN with a Python binding). tests/board runs every op type on CpuAcc with each.
+
+Arm NN facts this module depends on (all checked numerically by tests/agent/test_armnn_executor.py
+on CpuRef, and by tests/board on CpuAcc with both APIs):
 
 * NHWC ``Convolution2d`` takes its kernel as OHWI (our layout, used as is).
-* ``DepthwiseConvolution2d`` takes its kernel as [M, C, KH, KW] whatever the data layout; ours is
-  [C*M, KH, KW, 1] with output channel ``c*M + m``, so it is reshaped to [C, M, KH, KW] and the
-  first two axes are swapped.
+* ``DepthwiseConvolution2d`` takes its kernel as [M, C, KH, KW] in 20.08 and [1, KH, KW, C*M] in
+  23.08, whatever the data layout; ours is [C*M, KH, KW, 1] with output channel ``c*M + m``.
 * ``Permute``'s ``m_DimMappings[i]`` is where *source* axis i goes, the inverse of numpy's
   ``transpose(axes)`` (``axes[i]`` is the source of destination axis i): we pass argsort(axes).
   This pyarmnn has no Transpose layer.
 * ``ActivationFunction_TanH`` computes ``m_A * tanh(m_B * x)`` (both default to 0!).
-* This pyarmnn does not name ``ActivationFunction_HardSwish``, but libarmnn 20.08 (ABI 22)
-  implements it as enum value 11; it is used only for that ABI.
+* Neither pyarmnn names ``ActivationFunction_HardSwish``, but both libarmnn (ABI 22 and 33)
+  implement it as enum value 11 (after Elu = 10); it is used only for those ABIs.
 * ``Pooling2d`` with ``OutputShapeRounding_Ceiling`` has no "last window must start inside the
   input or the left padding" rule (ONNX/PyTorch ceil_mode); such orders are refused.
 * ``Resize`` follows TensorFlow: nearest with half-pixel centres is ``floor((y + 0.5) * in/out)``
@@ -30,6 +33,8 @@ tests/test_armnn_executor.py on CpuRef):
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import math
 import os
@@ -39,6 +44,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,9 +56,35 @@ __all__ = ["UnsupportedOrder", "ArmnnExecutor", "available", "backends"]
 
 DEFAULT_PREFERRED = ("CpuAcc", "GpuAcc", "CpuRef")
 
-# libarmnn 20.08 (ABI 22) defines ActivationFunction::HardSwish = 11 (after Elu = 10), but its
-# pyarmnn bindings do not export the name. Only trusted for that ABI (checked by the tests).
-_HARDSWISH_BY_ABI = {"22": 11}
+
+
+@dataclass(frozen=True)
+class Api:
+    """What differs between the Arm NN Python APIs this executor speaks (one per libarmnn ABI)."""
+
+    release: str
+    # Convolution2d, DepthwiseConvolution2d and FullyConnected: weights and bias passed to the
+    # Add*Layer call (20.08), or ConstantLayers connected to input slots 1 and 2 (22.x on: the
+    # Add*Layer calls take only the descriptor and a name)
+    weights_as_inputs: bool
+    # DepthwiseConvolution2d's kernel from ours ([C*M, KH, KW, 1], out channel c*M + m):
+    # "MCHW" = [M, C, KH, KW] (20.08), "1HWO" = [1, KH, KW, C*M] (22.x on)
+    depthwise_kernel: str
+    # a ConstTensor needs a TensorInfo marked constant (SetConstant, 22.x on; it throws otherwise)
+    constant_infos: bool
+    # ActivationFunction::HardSwish, which neither binding names (11 in both enums: after Elu = 10)
+    hardswish: int
+
+
+APIS: dict[str, Api] = {
+    "22": Api("20.08", weights_as_inputs=False, depthwise_kernel="MCHW", constant_infos=False, hardswish=11),
+    "33": Api("23.08", weights_as_inputs=True, depthwise_kernel="1HWO", constant_infos=True, hardswish=11),
+}
+# Same in both and so not in the table: the Addition/Subtraction/Multiplication/Division/Maximum/
+# Minimum layers (23.08 deprecates them for ElementwiseBinary, but its binding does not export
+# ElementwiseBinaryDescriptor), TransposeConvolution2d taking its weights in the call, Permute,
+# Softmax's innermost-axis rule, the layer placement in SerializeToDot; DataType values differ
+# (QSymmS8/QAsymmS8 moved) but are used by name only.
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -73,7 +105,8 @@ _lock = threading.Lock()
 
 
 def _pyarmnn():
-    """Import pyarmnn once (quietly: it logs a warning per missing parser) or raise ImportError."""
+    """Import pyarmnn once, quietly, or raise ImportError. Quietly: it logs a warning per missing
+    parser, and 23.08's prints a deprecation notice on stdout (where `--json` output goes)."""
     global _ann, _raw, _import_error
     if _ann is not None:
         return _ann
@@ -82,13 +115,17 @@ def _pyarmnn():
     log = logging.getLogger("pyarmnn")
     level = log.level
     log.setLevel(logging.ERROR)
+    said = io.StringIO()
     try:
-        import pyarmnn as ann
+        with contextlib.redirect_stdout(said):
+            import pyarmnn as ann
     except Exception as e:  # ImportError, or OSError from a missing libarmnn
         _import_error = f"pyarmnn is not importable ({type(e).__name__}: {' '.join(str(e).split())})"
         raise ImportError(_import_error) from None
     finally:
         log.setLevel(level)
+        if said.getvalue().strip():
+            logging.getLogger("tandoor.armnn").debug("pyarmnn said on import: %s", said.getvalue().strip())
     try:
         from pyarmnn._generated import pyarmnn as raw
         _raw = raw if hasattr(raw, "Tensor") and hasattr(raw, "ConstTensor") else None
@@ -112,6 +149,16 @@ def _abi() -> str:
     return str(getattr(_pyarmnn(), "ARMNN_VERSION", "?")).split(".")[0]
 
 
+def api() -> Api:
+    """The API table entry for the libarmnn here (UnsupportedOrder for an ABI it does not know)."""
+    abi = _abi()
+    if abi not in APIS:
+        known = ", ".join(f"{a.release} (ABI {k})" for k, a in APIS.items())
+        raise UnsupportedOrder(f"Arm NN ABI {abi} is not one this executor speaks ({known}); "
+                               "install one of those (scripts/board/install-on-board.sh)")
+    return APIS[abi]
+
+
 def available() -> tuple[bool, str]:
     """(True, version) when pyarmnn imports and has at least one backend, else (False, why)."""
     try:
@@ -123,9 +170,11 @@ def available() -> tuple[bool, str]:
     except Exception as e:
         return False, f"Arm NN runtime failed to start ({type(e).__name__}: {e})"
     version = getattr(ann, "ARMNN_VERSION", "?")
+    abi = str(version).split(".")[0]
     if not have:
-        return False, f"pyarmnn (Arm NN ABI {version}) has no backends; install libarmnn-cpuref-backend22"
-    return True, f"pyarmnn (Arm NN ABI {version}), backends {', '.join(have)}"
+        return False, f"pyarmnn (Arm NN ABI {version}) has no backends; install libarmnn-cpuref-backend{abi}"
+    release = f"Arm NN {APIS[abi].release}, " if abi in APIS else ""
+    return True, f"pyarmnn ({release}Arm NN ABI {version}), backends {', '.join(have)}"
 
 
 def backends() -> list[str]:
@@ -294,6 +343,7 @@ class ArmnnExecutor:
         if isinstance(preferred, str):
             preferred = (preferred,)
         self.symbol = str(order.get("symbol", "?"))
+        self._api = api()
         self.last_run_ns = 0  # time inside EnqueueWorkload during the last run_into
         self.last_zero_copy = False  # whether Arm NN wrote every output into the caller's buffer
         self._net_id: int | None = None
@@ -364,7 +414,7 @@ class ArmnnExecutor:
         counts = Counter(compute or [b for _, _, b in self.layer_backends])
         self.layer_counts = dict(counts)
         self.backend = counts.most_common(1)[0][0] if counts else self.requested_backends[0]
-        self._in_infos = [rt.GetInputTensorInfo(net_id, i) for i in range(len(self.input_names))]
+        self._in_infos = [self._constant(rt.GetInputTensorInfo(net_id, i)) for i in range(len(self.input_names))]
         self._out_infos = [rt.GetOutputTensorInfo(net_id, j) for j in range(len(self.output_names))]
         self._in_sizes = [int(np.prod(s)) for s in self.input_shapes]
         self._out_sizes = [int(np.prod(s)) for s in self.output_shapes]
@@ -449,8 +499,20 @@ class ArmnnExecutor:
         ann = self._ann
         return ann.TensorInfo(ann.TensorShape(tuple(int(d) for d in shape)), ann.DataType_Float32)
 
+    def _constant(self, info):
+        """The info as a ConstTensor wants it (marked constant where the API asks for that)."""
+        if self._api.constant_infos:
+            info.SetConstant(True)
+        return info
+
     def _set(self, layer, tensor: str | None = None, shape: Sequence[int] | None = None):
         layer.GetOutputSlot(0).SetTensorInfo(self._info(self._shapes[tensor] if shape is None else shape))
+        return layer.GetOutputSlot(0)
+
+    def _constant_layer(self, a: np.ndarray, name: str):
+        """A ConstantLayer holding ``a``; its output slot, whose info is constant where the API says."""
+        layer = self._net.AddConstantLayer(self._const(a), name)
+        layer.GetOutputSlot(0).SetTensorInfo(self._constant(self._info(a.shape)))
         return layer.GetOutputSlot(0)
 
     def _slot(self, name: str, where: str):
@@ -462,7 +524,20 @@ class ArmnnExecutor:
     def _const(self, arr: np.ndarray):
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         self._keep.append(arr)
-        return self._ann.ConstTensor(self._info(arr.shape), arr)
+        return self._ann.ConstTensor(self._constant(self._info(arr.shape)), arr)
+
+    def _weighted_layer(self, add, desc, name: str, weights: np.ndarray, bias: np.ndarray | None):
+        """A Convolution2d / DepthwiseConvolution2d / FullyConnected layer with its weights the
+        way this API takes them: in the call (20.08) or as ConstantLayers on slots 1, 2 (23.08)."""
+        if not self._api.weights_as_inputs:
+            wt = self._const(weights)
+            return add(desc, wt, self._const(bias), name) if bias is not None else add(desc, wt, name=name)
+        layer = add(desc, name)
+        for slot, (role, a) in enumerate((("weights", weights), ("bias", bias)), start=1):
+            if a is None:
+                continue
+            self._constant_layer(a, f"{name}:{role}").Connect(layer.GetInputSlot(slot))
+        return layer
 
     def _weight(self, name: str, where: str) -> np.ndarray:
         if name in self._weights_cache:
@@ -546,13 +621,7 @@ class ArmnnExecutor:
             d.m_Function = ann.ActivationFunction_LeakyReLu
             d.m_A = float(act.get("alpha", 0.01))
         elif kind == "hardswish":
-            fn = getattr(ann, "ActivationFunction_HardSwish", None)
-            if fn is None:
-                fn = _HARDSWISH_BY_ABI.get(_abi())
-            if fn is None:
-                raise UnsupportedOrder(f"{where}: activation hardswish: this Arm NN (ABI {_abi()}) has "
-                                       "no HardSwish activation")
-            d.m_Function = fn
+            d.m_Function = getattr(ann, "ActivationFunction_HardSwish", self._api.hardswish)
         else:
             raise UnsupportedOrder(f"{where}: activation kind {kind!r} has no Arm NN equivalent")
         layer = self._net.AddActivationLayer(d, f"{name}:{kind}")
@@ -599,8 +668,9 @@ class ArmnnExecutor:
                 raise UnsupportedOrder(f"{where}: depthwise conv2d kernel {list(kernel.shape)} with groups "
                                        f"{groups} does not fit {cin} input channels ([C*M, KH, KW, 1] expected)")
             m = o // cin
-            # ours: [C*M, KH, KW, 1], out channel c*M + m  ->  Arm NN 20.08: [M, C, KH, KW]
-            w = kernel.reshape(cin, m, kh, kw).transpose(1, 0, 2, 3)
+            # ours: [C*M, KH, KW, 1], out channel c*M + m  ->  [M, C, KH, KW] or [1, KH, KW, C*M]
+            w = (kernel.reshape(cin, m, kh, kw).transpose(1, 0, 2, 3) if self._api.depthwise_kernel == "MCHW"
+                 else kernel.transpose(3, 1, 2, 0))
             d = ann.DepthwiseConvolution2dDescriptor()
         elif groups != 1:
             raise UnsupportedOrder(f"{where}: grouped conv2d (groups={groups}, {cin} input channels) is neither "
@@ -618,10 +688,8 @@ class ArmnnExecutor:
         d.m_StrideY, d.m_StrideX = sh, sw
         d.m_DilationY, d.m_DilationX = dh, dw
         d.m_BiasEnabled = bias is not None
-        wt = self._const(w)
-        bt = self._const(bias) if bias is not None else None
         add = self._net.AddDepthwiseConvolution2dLayer if depthwise else self._net.AddConvolution2dLayer
-        layer = add(d, wt, bt, name) if bt is not None else add(d, wt, name=name)
+        layer = self._weighted_layer(add, d, name, w, bias)
         ins[0].Connect(layer.GetInputSlot(0))
         slot = self._set(layer, shape=out_shape)
         return self._activation(where, name, slot, out_shape, attrs.get("activation"))
@@ -653,9 +721,7 @@ class ArmnnExecutor:
         d = ann.FullyConnectedDescriptor()
         d.m_BiasEnabled = bias is not None
         d.m_TransposeWeightMatrix = True  # weights are [N, K]
-        wt = self._const(kernel)
-        layer = (self._net.AddFullyConnectedLayer(d, wt, self._const(bias), name) if bias is not None
-                 else self._net.AddFullyConnectedLayer(d, wt, name=name))
+        layer = self._weighted_layer(self._net.AddFullyConnectedLayer, d, name, kernel, bias)
         slot.Connect(layer.GetInputSlot(0))
         slot = self._set(layer, shape=(rows, n))
         slot = self._activation(where, name, slot, (rows, n), attrs.get("activation"))
@@ -740,9 +806,7 @@ class ArmnnExecutor:
                 raise UnsupportedOrder(f"{where}: operand {i} rank {len(shape)} exceeds the output rank {rank}")
             full = (1,) * (rank - len(shape)) + shape
             if slot is None:
-                c = self._const(np.asarray(val, np.float32).reshape(full))
-                layer = self._net.AddConstantLayer(c, f"{name}:const{i}")
-                slot = self._set(layer, shape=full)
+                slot = self._constant_layer(np.asarray(val, np.float32).reshape(full), f"{name}:const{i}")
             elif full != shape:
                 slot = self._reshape(f"{name}:rank{i}", slot, full)
             slots.append(slot)
@@ -801,8 +865,7 @@ class ArmnnExecutor:
         full = (1,) * (len(shape) - slope.ndim) + tuple(slope.shape)
         if any(s not in (1, d) for s, d in zip(full, shape)):
             raise UnsupportedOrder(f"{where}: prelu slope {list(slope.shape)} does not broadcast to {list(shape)}")
-        alpha = self._net.AddConstantLayer(self._const(slope.reshape(full)), f"{name}:slope")
-        a_slot = self._set(alpha, shape=full)
+        a_slot = self._constant_layer(slope.reshape(full), f"{name}:slope")
         layer = self._net.AddPreluLayer(name)
         ins[0].Connect(layer.GetInputSlot(0))
         a_slot.Connect(layer.GetInputSlot(1))

@@ -25,10 +25,10 @@ class TvmExecutor:
         """``params``: the weights the fallback was compiled without (manifest fallback_params),
         turned once here into what ``main`` takes (``main_transform_params``: kernel layouts)."""
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine  # not tvm.relax: the agent has TVM's runtime only
 
         self.dev = tvm.cpu()
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+        self.vm = VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
         self._main = self.vm["main"]
         self._params: list = []
         if params:
