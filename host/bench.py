@@ -15,9 +15,10 @@ Paths measured, on the same seeded input:
 * all delegated  every candidate region delegated (policy all), delegate auto: with TVM only, the
                two fixed alternatives the choice must not be slower than (``ratio_choice_vs_best``)
 
-Timing: after a warm-up, rounds of interleaved blocks (one discarded run, then runs/rounds timed
+Timing: after a warm-up, rounds of interleaved blocks (one discarded run, then about three timed
 runs per path) so that slow drifts of a shared machine's load hit every path alike, while a
-library's spinning threads cannot leak into the next path's timed run. Medians are reported.
+library's spinning threads cannot leak into the next path's timed run. Medians are reported,
+best runs beside them (details.spread).
 
 Breakdown of the median hybrid run, L_total = L_pre + delegated + TVM + bridge: L_pre is staging
 the input into the VM's buffer (measured apart); delegated and bridge come from the runtime's
@@ -241,7 +242,7 @@ def _breakdown(p: _Path, pre_ms: float) -> dict:
 ORT_CONFIGS = {"onnxruntime": (True, "default"), "onnxruntime-nospin": (False, "no spinning")}
 
 
-def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5, rounds: int = 4,
+def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5, rounds: int | None = None,
         policy: str = "cost", include_armnn: bool = False, executors: tuple[str, ...] | None = None,
         kernels: bool = False, progress=lambda s: None) -> dict:
     """Time every path (see the module docstring); ``kernels`` adds `host/kernels.py`'s per-kernel
@@ -259,6 +260,10 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
 
     if runs < 1:
         raise CompileError("--runs must be at least 1")
+    # blocks of about three runs: a burst of load on a shared machine lasts seconds, and longer
+    # blocks let one burst land on one path's runs alone (YOLOv8n: a path with nothing delegated,
+    # the same module as TVM only, measured 2.3x TVM only's median with blocks of 7-8)
+    rounds = rounds or max(4, runs // 3)
     model = frontend.load(model_path, list(input_specs))
     rng = np.random.default_rng(20261129)
     inputs = [rng.standard_normal(i.shape).astype(i.dtype) for i in model.inputs]
