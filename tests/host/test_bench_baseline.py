@@ -69,4 +69,13 @@ def test_the_table_says_which_baseline_and_the_choices_ratio(res, capsys, monkey
     assert f"baseline: onnxruntime {res['onnxruntime_baseline']}" in out
     assert "the better of its default" in out and "no spinning" in out
     assert f"{res['ratio_choice_vs_best']:.2f}x the better of TVM only and all delegated" in out
-    assert "kernels by pattern" in out
+    assert "kernels by pattern" in out and "best runs: onnxruntime" in out
+
+
+def test_best_run_ratios_are_the_same_arithmetic_on_each_paths_fastest_run(res):
+    sp, bst = res["details"]["spread"], res["best"]
+    ort = min(sp["onnxruntime"]["min_ms"], sp["onnxruntime-nospin"]["min_ms"])
+    assert bst["onnxruntime_ms"] == pytest.approx(ort, abs=1e-3)
+    assert bst["ratio_tvm_vs_ort"] == pytest.approx(sp["tvm"]["min_ms"] / ort, rel=2e-3, abs=2e-3)
+    fixed = min(sp["tvm"]["min_ms"], sp["all-delegated"]["min_ms"])
+    assert bst["ratio_choice_vs_best"] == pytest.approx(sp["choice"]["min_ms"] / fixed, rel=2e-3, abs=2e-3)
