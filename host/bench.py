@@ -2,14 +2,23 @@
 
 Paths measured, on the same seeded input:
 
-* onnxruntime  the (shape-pinned, folded) ONNX model in an onnxruntime CPU session, its defaults
+* onnxruntime  the (shape-pinned, folded) ONNX model in an onnxruntime CPU session at TVM's thread
+               count, twice: its defaults (spinning worker threads) and without spinning
+               (``session.intra_op.allow_spinning=0``). The baseline is the better of the two medians
+               (which one is said in the output); every ratio is against it, so neither side gains
+               from the other's threads fighting a busy machine
 * tvm          the whole model compiled by TVM for the host (compile policy "none": no delegation)
-* hybrid       the bundle as `tandoor compile` makes it (policy cost by default), run by the agent
-               runtime with each available executor for its delegated subgraphs
+* hybrid       the bundle as `tandoor compile` makes it (policy cost by default; on the host its
+               decisions are measured here, ``--measure auto``), run by the agent runtime with each
+               available executor for its delegated subgraphs, and as the agent runs it (delegate
+               auto: the executor the compile measured): the compile's *choice*
+* all delegated  every candidate region delegated (policy all), delegate auto: with TVM only, the
+               two fixed alternatives the choice must not be slower than (``ratio_choice_vs_best``)
 
-Timing: after a warm-up, rounds of interleaved blocks (one discarded run, then runs/rounds timed
+Timing: after a warm-up, rounds of interleaved blocks (one discarded run, then about three timed
 runs per path) so that slow drifts of a shared machine's load hit every path alike, while a
-library's spinning threads cannot leak into the next path's timed run. Medians are reported.
+library's spinning threads cannot leak into the next path's timed run. Medians are reported,
+best runs beside them (details.spread).
 
 Breakdown of the median hybrid run, L_total = L_pre + delegated + TVM + bridge: L_pre is staging
 the input into the VM's buffer (measured apart); delegated and bridge come from the runtime's
@@ -90,8 +99,7 @@ def memory_plan(mod, target_dict: dict) -> dict:
     t = tvm.target.Target(target_dict)
     with t:
         lowered = tvm.transform.Sequential(
-            [relax.transform.ConvertLayout({"relax.nn.conv2d": schedule.TVM_CONV_LAYOUT}), relax.transform.FoldConstant()]
-            + cpu.library_dispatch_passes(t) + cpu.legalize_passes(t) + cpu.dataflow_lower_passes(t))(mod)
+            schedule.prepare_passes() + cpu.library_dispatch_passes(t) + cpu.legalize_passes(t) + cpu.dataflow_lower_passes(t))(mod)
         planned = relax.transform.StaticPlanBlockMemory()(lowered)
 
     def count(func) -> dict:
@@ -149,11 +157,12 @@ class _Path:
         self.runs_total = 0
 
 
-def _ort_path(model, inputs, spinning: bool = True) -> _Path:
+def _ort_path(model, inputs, threads: int, spinning: bool = True) -> _Path:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    so.intra_op_num_threads = threads        # TVM's count: the same cores for both
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(model.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -229,12 +238,19 @@ def _breakdown(p: _Path, pre_ms: float) -> dict:
             "tvm_ms": round(tvm_ms, 3), "bridge_ms": round(bridge, 4), "subgraphs": subgraphs}
 
 
-def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5, rounds: int = 4,
+# baseline configurations of onnxruntime: path name -> (spinning, what the output calls it)
+ORT_CONFIGS = {"onnxruntime": (True, "default"), "onnxruntime-nospin": (False, "no spinning")}
+
+
+def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5, rounds: int | None = None,
         policy: str = "cost", include_armnn: bool = False, executors: tuple[str, ...] | None = None,
-        progress=lambda s: None) -> dict:
+        kernels: bool = False, progress=lambda s: None) -> dict:
+    """Time every path (see the module docstring); ``kernels`` adds `host/kernels.py`'s per-kernel
+    tables (TVM's kernels beside onnxruntime's nodes in the baseline's configuration)."""
     from tandoor_agent.run.board import configure_tvm_threads
 
     threads = configure_tvm_threads()      # before anything starts TVM's thread pool
+    n_threads = int(threads["TVM_NUM_THREADS"])
 
     import onnxruntime
 
@@ -244,6 +260,10 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
 
     if runs < 1:
         raise CompileError("--runs must be at least 1")
+    # blocks of about three runs: a burst of load on a shared machine lasts seconds, and longer
+    # blocks let one burst land on one path's runs alone (YOLOv8n: a path with nothing delegated,
+    # the same module as TVM only, measured 2.3x TVM only's median with blocks of 7-8)
+    rounds = rounds or max(4, runs // 3)
     model = frontend.load(model_path, list(input_specs))
     rng = np.random.default_rng(20261129)
     inputs = [rng.standard_normal(i.shape).astype(i.dtype) for i in model.inputs]
@@ -265,15 +285,22 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
         progress(f"compiling the hybrid module (policy {policy})")
         hyb_bundle = tmpd / "hybrid.hmod"
         hyb_manifest = compile_model(model_path, hyb_bundle, Options(specs, policy=policy))
+        all_bundle = hyb_bundle
+        if policy != "all":
+            progress("compiling the all-delegated module (policy all)")
+            all_bundle = tmpd / "all_delegated.hmod"
+            compile_model(model_path, all_bundle, Options(specs, policy="all"))
 
         paths: list[_Path] = []
         try:
             # onnxruntime as a user gets it (its defaults: spinning worker threads), and without
-            # spinning as the hybrid's onnxruntime executor runs it: an honest second baseline
-            builders = [("onnxruntime", lambda: _ort_path(model, inputs)),
-                        ("onnxruntime-nospin", lambda: _ort_path(model, inputs, spinning=False)),
-                        ("tvm", lambda: _hybrid_path("tvm", tvm_bundle, "tvm", inputs))]
+            # spinning as the hybrid's onnxruntime executor runs it; the baseline is the better
+            builders = [(name, lambda spin=spin: _ort_path(model, inputs, n_threads, spinning=spin))
+                        for name, (spin, _) in ORT_CONFIGS.items()]
+            builders += [("tvm", lambda: _hybrid_path("tvm", tvm_bundle, "tvm", inputs))]
             builders += [(f"hybrid:{e}", lambda e=e: _hybrid_path(f"hybrid:{e}", hyb_bundle, e, inputs)) for e in use]
+            builders += [("choice", lambda: _hybrid_path("choice", hyb_bundle, "auto", inputs)),
+                         ("all-delegated", lambda: _hybrid_path("all-delegated", all_bundle, "auto", inputs))]
             for name, build in builders:
                 progress(f"loading {name}")
                 _trim()
@@ -306,14 +333,18 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
 
             # median_low: the median is one real run, whose own breakdown is reported
             med = {p.name: statistics.median_low(p.times) for p in paths}
+            base_name = min(ORT_CONFIGS, key=med.__getitem__)
+            ort_ms = med[base_name]
             pre_ms = _input_staging_ms(inputs)
-            breakdown = {"onnxruntime": {"total_ms": round(med["onnxruntime"], 3)},
+            breakdown = {"onnxruntime": {"total_ms": round(ort_ms, 3)},
                          "tvm": {"total_ms": round(med["tvm"], 3), "pre_ms": round(pre_ms, 3), "delegated_ms": 0.0,
                                  "tvm_ms": round(max(med["tvm"] - pre_ms, 0.0), 3), "bridge_ms": 0.0, "subgraphs": []},
                          "hybrid": {}}
             for p in paths:
                 if p.name.startswith("hybrid:"):
                     breakdown["hybrid"][p.name.split(":", 1)[1]] = _breakdown(p, pre_ms)
+                elif p.name in ("choice", "all-delegated"):
+                    breakdown[p.name] = _breakdown(p, pre_ms)
             rss = {p.name: round(p.rss_growth / 2**20, 1) for p in paths}
             spread = {p.name: {"min_ms": round(min(p.times), 3), "max_ms": round(max(p.times), 3),
                                "n": len(p.times)} for p in paths}
@@ -329,8 +360,15 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
     plan_tvm = memory_plan(_relax_module(model, {}), host)
     plan_hyb = memory_plan(_relax_module(model, {p["symbol"]: p["delegate"] for p in hyb_manifest["partitions"]}), host)
 
-    ort_ms = med["onnxruntime"]
+    kern = None
+    if kernels:
+        from . import kernels as kernels_mod
+
+        kern = kernels_mod.measure(model, inputs, runs=runs, warmup=warmup, threads=n_threads,
+                                   ort_spinning=ORT_CONFIGS[base_name][0], progress=progress)
+
     hybrid_ms = {e: round(med[f"hybrid:{e}"], 3) for e in use}
+    best_fixed = min(med["tvm"], med["all-delegated"])
     memory = {"onnxruntime": {"rss_growth_mb": rss["onnxruntime"]},
               "onnxruntime-nospin": {"rss_growth_mb": rss["onnxruntime-nospin"]},
               "tvm": {"rss_growth_mb": rss["tvm"], **plan_tvm},
@@ -339,23 +377,43 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
 
     return {
         "onnxruntime_ms": round(ort_ms, 3),
+        "onnxruntime_baseline": ORT_CONFIGS[base_name][1],
         "tvm_ms": round(med["tvm"], 3),
         "hybrid_ms": hybrid_ms,
         "ratio_hybrid_vs_ort": {e: round(v / ort_ms, 3) for e, v in hybrid_ms.items()},
         "ratio_tvm_vs_ort": round(med["tvm"] / ort_ms, 3),
+        "choice_ms": round(med["choice"], 3),
+        "all_delegated_ms": round(med["all-delegated"], 3),
+        "ratio_choice_vs_ort": round(med["choice"] / ort_ms, 3),
+        # the compile's measured choice against the better of its two fixed alternatives
+        "ratio_choice_vs_best": round(med["choice"] / best_fixed, 3),
+        # the same ratios from each path's best run: on a loaded shared machine the medians carry
+        # the other jobs' bursts, the best runs what the code does when it has the cores
+        "best": _best_ratios({p.name: min(p.times) for p in paths}),
         "memory": memory,
         "breakdown": breakdown,
+        **({"kernels": kern} if kern is not None else {}),
         "details": {
             "model": model.name, "inputs": [i.as_dict() for i in model.inputs], "runs": runs, "warmup": warmup,
             "rounds": rounds, "policy": policy, "spread": spread, "skipped": skipped,
+            "onnxruntime_default_ms": round(med["onnxruntime"], 3),
             "onnxruntime_nospin_ms": round(med["onnxruntime-nospin"], 3),
-            "ratio_hybrid_vs_ort_nospin": {e: round(v / med["onnxruntime-nospin"], 3) for e, v in hybrid_ms.items()},
             "delegated_subgraphs": sum(1 for p in hyb_manifest["partitions"] if p["delegate"]),
             "ops_delegated": hyb_manifest["ops_delegated"], "ops_total": hyb_manifest["ops_total"],
-            "threads": {**threads, "onnxruntime": "default (all cores)"},
+            "choice_executors": [s["executor"] for s in breakdown["choice"]["subgraphs"]],
+            "threads": {**threads, "onnxruntime": n_threads},
             "host_target": host, "versions": {"tvm": tvm.__version__, "onnxruntime": onnxruntime.__version__},
         },
     }
+
+
+def _best_ratios(best: dict[str, float]) -> dict:
+    ort = min(best[n] for n in ORT_CONFIGS)
+    fixed = min(best["tvm"], best["all-delegated"])
+    return {"onnxruntime_ms": round(ort, 3), "tvm_ms": round(best["tvm"], 3), "choice_ms": round(best["choice"], 3),
+            "all_delegated_ms": round(best["all-delegated"], 3), "ratio_tvm_vs_ort": round(best["tvm"] / ort, 3),
+            "ratio_choice_vs_ort": round(best["choice"] / ort, 3),
+            "ratio_choice_vs_best": round(best["choice"] / fixed, 3)}
 
 
 # --- output --------------------------------------------------------------------------------------
@@ -370,17 +428,30 @@ def print_table(res: dict) -> None:
     t = Table(title=f"{d['model']}: median of {d['runs']} runs after {d['warmup']} warm-up, one process")
     for col in ("path", "ms", "vs ort", "L_pre", "deleg.", "TVM", "bridge", "RSS+MB", "act. MB plan/all"):
         t.add_column(col, justify="right" if col != "path" else "left")
-    t.add_row("onnxruntime", f"{ort:.2f}", "1.00x", "", "", "", "", f"{res['memory']['onnxruntime']['rss_growth_mb']:.0f}", "")
-    ns = d["onnxruntime_nospin_ms"]
-    t.add_row("ort no-spin", f"{ns:.2f}", f"{ns / ort:.2f}x", "", "", "", "",
-              f"{res['memory']['onnxruntime-nospin']['rss_growth_mb']:.0f}", "")
+    for name, (_, label) in ORT_CONFIGS.items():
+        ms = d["onnxruntime_default_ms"] if label == "default" else d["onnxruntime_nospin_ms"]
+        mark = " (baseline)" if label == res["onnxruntime_baseline"] else ""
+        t.add_row(f"ort {label}{mark}", f"{ms:.2f}", f"{ms / ort:.2f}x", "", "", "", "",
+                  f"{res['memory'][name]['rss_growth_mb']:.0f}", "")
+    mem_hyb = next(iter(res["memory"]["hybrid"].values()), {})
     rows = [("TVM only", res["tvm_ms"], res["breakdown"]["tvm"], res["memory"]["tvm"])]
     rows += [(f"hybrid {e}", ms, res["breakdown"]["hybrid"][e], res["memory"]["hybrid"][e]) for e, ms in res["hybrid_ms"].items()]
+    rows += [("hybrid auto (choice)", res["choice_ms"], res["breakdown"]["choice"], mem_hyb),
+             ("all delegated, auto", res["all_delegated_ms"], res["breakdown"]["all-delegated"], {})]
     for name, ms, b, mem in rows:
         t.add_row(name, f"{ms:.2f}", f"{ms / ort:.2f}x", f"{b['pre_ms']:.2f}", f"{b['delegated_ms']:.2f}",
-                  f"{b['tvm_ms']:.2f}", f"{b['bridge_ms']:.3f}", f"{mem['rss_growth_mb']:.0f}",
-                  f"{mem['planned_activation_mb']:.1f}/{mem['unplanned_activation_mb']:.1f}")
+                  f"{b['tvm_ms']:.2f}", f"{b['bridge_ms']:.3f}",
+                  f"{mem['rss_growth_mb']:.0f}" if "rss_growth_mb" in mem else "",
+                  f"{mem['planned_activation_mb']:.1f}/{mem['unplanned_activation_mb']:.1f}" if mem else "")
     c.print(t)
+    c.print(f"baseline: onnxruntime {res['onnxruntime_baseline']} ({ort:.2f} ms), the better of its default "
+            f"({d['onnxruntime_default_ms']:.2f} ms) and no spinning ({d['onnxruntime_nospin_ms']:.2f} ms) at "
+            f"{d['threads']['onnxruntime']} thread(s); every 'vs ort' is against it")
+    c.print(f"compile's choice (hybrid, delegate auto: {', '.join(d['choice_executors']) or 'nothing delegated'}): "
+            f"{res['ratio_choice_vs_best']:.2f}x the better of TVM only and all delegated")
+    bst = res["best"]
+    c.print(f"best runs: onnxruntime {bst['onnxruntime_ms']:.2f} ms, TVM only {bst['ratio_tvm_vs_ort']:.2f}x, "
+            f"choice {bst['ratio_choice_vs_ort']:.2f}x, choice vs the better fixed path {bst['ratio_choice_vs_best']:.2f}x")
     m = res["memory"]["tvm"]
     c.print(f"static memory plan (TVM only): {m['intermediates']} intermediates, {m['unplanned_activation_mb']:.1f} MB "
             f"as separate buffers -> {m['planned_activation_mb']:.1f} MB planned ({m['plan_saves_pct']:.0f}% saved; "
@@ -388,19 +459,24 @@ def print_table(res: dict) -> None:
     for e, why in d["skipped"].items():
         c.print(f"[dim]skipped {e}: {why}[/]")
     c.print(f"[dim]threads: TVM {d['threads']['TVM_NUM_THREADS']} (bind {d['threads']['TVM_BIND_THREADS']}), "
-            f"onnxruntime default; hybrid: {d['delegated_subgraphs']} subgraph(s), {d['ops_delegated']}/{d['ops_total']} ops "
-            f"delegated (policy {d['policy']})[/]")
+            f"onnxruntime {d['threads']['onnxruntime']}; hybrid: {d['delegated_subgraphs']} subgraph(s), "
+            f"{d['ops_delegated']}/{d['ops_total']} ops delegated (policy {d['policy']})[/]")
+    if "kernels" in res:
+        from . import kernels as kernels_mod
+
+        kernels_mod.print_tables(res["kernels"], console=c)
 
 
 def plot(res: dict, out: Path) -> None:
     """Stacked bars (L_pre, delegated, TVM, bridge) per path, PNG via Pillow."""
     from PIL import Image, ImageDraw
 
-    rows = [("onnxruntime", {"total": res["onnxruntime_ms"]})]
-    if "onnxruntime_nospin_ms" in res.get("details", {}):
-        rows.append(("ort, no spinning", {"total": res["details"]["onnxruntime_nospin_ms"]}))
-    rows.append(("TVM only", res["breakdown"]["tvm"]))
+    d = res["details"]
+    rows = [("ort default", {"total": d["onnxruntime_default_ms"]}),
+            ("ort no spinning", {"total": d["onnxruntime_nospin_ms"]}),
+            ("TVM only", res["breakdown"]["tvm"])]
     rows += [(f"hybrid {e}", res["breakdown"]["hybrid"][e]) for e in res["hybrid_ms"]]
+    rows += [("choice (auto)", res["breakdown"]["choice"]), ("all delegated", res["breakdown"]["all-delegated"])]
     colors = {"pre_ms": (186, 176, 172), "delegated_ms": (78, 121, 167), "tvm_ms": (225, 87, 89),
               "bridge_ms": (237, 201, 72), "total": (89, 161, 79)}
     label_w, bar_h, gap, width = 150, 28, 14, 900

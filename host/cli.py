@@ -298,8 +298,9 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
               help="Include Arm NN even when it has only CpuRef (a reference implementation, seconds per inference).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write the latency breakdown as a PNG.")
+@click.option("--kernels", is_flag=True, help="Also time TVM's kernels and onnxruntime's nodes, by op pattern.")
 @debug_option
-def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json, plot):
+def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json, plot, kernels):
     """onnxruntime vs TVM only vs the hybrid module per executor, in one process."""
     from rich.console import Console
 
@@ -312,7 +313,7 @@ def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json
                 status.update(msg)
                 console.log(msg)
             res = bench_mod.run(model, inputs, runs=runs, warmup=warmup, policy=policy, include_armnn=include_armnn,
-                                executors=tuple(executors) or None, progress=progress)
+                                executors=tuple(executors) or None, kernels=kernels, progress=progress)
         if plot:
             bench_mod.plot(res, plot)
     except (CompileError, hmod.BundleError) as err:
