@@ -419,6 +419,9 @@ def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_d
 
     problems = []
     for name, det in detectors.DETECTORS.items():
+        if getattr(board, "name", "") == "bookworm" and any(n == name for n, _ in ARMNN_GETS_WRONG):
+            continue  # its order runs on onnxruntime there (the real-model test proves the catch):
+            # under qemu that is minutes of emulated MLAS for boxes the host test already checks
         bundle = detectors.compiled_detector(name, bundles_dir)
         img = det.images[0]
         rgb = detectors.image(img)
