@@ -158,12 +158,11 @@ def test_deploy_two_devices_with_the_cli(devs, broker, B):
 def test_same_job_twice_is_a_noop_with_the_same_final_ack(devs, broker, B):
     rec = devs["rec"]
     rec.clear()
-    t0 = time.monotonic()
     out = deploy(broker.port, B["v2"], ["u1"], job_id="job-v2", timeout=60)
     r = out["devices"]["u1"]
     assert r["state"] == "committed" and r.get("repeated") is True, r
-    assert time.monotonic() - t0 < 30
-    assert "trial" not in [a["state"] for a in acks(rec, "u1", "job-v2")]
+    # answered from the record: only the final ack again, nothing downloaded, verified or gated
+    assert {a["state"] for a in acks(rec, "u1", "job-v2")} == {"committed"}, acks(rec, "u1", "job-v2")
     assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
 
 
@@ -296,9 +295,13 @@ def test_broker_restart_mid_transfer_resumes(devs, broker, B):
                                                            chunk_hook=first_half_only)))
     th.start()
     assert half.wait(60)
-    time.sleep(0.5)
+    # the broker has delivered the first half (our subscriber got it too) before it dies
+    def chunks_seen() -> int:
+        return len({m.topic.rsplit("/", 1)[1] for m in list(rec.messages) if "/update/chunk/job-v4/" in m.topic})
+
+    rec.wait_for(lambda m: "/update/chunk/job-v4/" in m.topic and chunks_seen() >= n // 2, 60, "the first half")
     broker.kill()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the outage itself, not a synchronisation
     broker.start()
     t_back = time.time()
     th.join(280)
@@ -472,7 +475,8 @@ def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, br
             assert host.wait(10) == -9
             part = sd / "staging" / "job-dead.hmod.part"
             assert part.exists(), "a partial download is on the device"
-            t0 = time.monotonic()
+            # the timeouts below (120 s each) are far under the dead job's 600 s stall timeout: the
+            # cancel and the next job cannot be waiting for it
             r = subprocess.run([str(BIN / "tandoor"), "fleet", "cancel", "job-dead", "--devices", dev, "--broker", url,
                                 "--json"], capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, r.stdout + r.stderr
@@ -482,7 +486,6 @@ def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, br
             assert not part.exists(), "the partial download is gone"
             out = deploy(broker.port, B["v3"], [dev], job_id="job-after", timeout=120)
             assert out["devices"][dev]["state"] == "committed", out
-            assert time.monotonic() - t0 < 120, "no wait for the dead job's 600 s stall timeout"
             running_sha(rec, dev, sha(B["v3"]))
             # the dead job offered again (a late retry): answered from the record, nothing resumed
             again = deploy(broker.port, big, [dev], job_id="job-dead", timeout=60)["devices"][dev]
@@ -803,12 +806,11 @@ def test_a_job_without_progress_is_dropped_after_the_offered_stall_timeout(devs,
     device drops the job by itself and says so (failed, kind stalled, with how far it got), well
     before the job's deadline; the old model keeps serving."""
     rec = devs["rec"]
-    t0 = time.monotonic()
     out = deploy(broker.port, B["v5"], ["u2"], job_id="job-stall", timeout=240, stall_timeout_s=4,
                  chunk_hook=lambda *a: None)["devices"]["u2"]
+    # kind stalled, not expired: dropped for the offered stall timeout, before the job's deadline
     assert out["state"] == "failed" and out["kind"] == "stalled", out
     assert "no progress for 4 s" in out["reason"] and out["count"] == 0, out
-    assert time.monotonic() - t0 < 60
     running_sha(rec, "u2", sha(B["v3"]))
 
 
