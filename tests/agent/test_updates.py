@@ -462,17 +462,24 @@ def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, br
     cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
     big = padded(B, "v2-big", 24, "2")
     url = f"mqtt://127.0.0.1:{broker.port}"
+    # the host reaches the broker through a proxy that lets half the bundle's bytes through, then
+    # holds the rest: the transfer is cut in the middle however fast the machine is
+    proxy = FlakyProxy(broker.port)
+    proxy.up_budget = big.stat().st_size // 2
     with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
         a = start_agent(wd, dev, cfg, rec)
         try:
-            host = subprocess.Popen([str(BIN / "tandoor"), "fleet", "deploy", str(big), "--devices", dev, "--broker", url,
+            host = subprocess.Popen([str(BIN / "tandoor"), "fleet", "deploy", str(big), "--devices", dev, "--broker",
+                                     f"mqtt://127.0.0.1:{proxy.port}",
                                      "--job-id", "job-dead", "--chunk-size", str(CHUNK), "--stall-timeout", "600",
                                      "--timeout", "900"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             first = rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json()["job_id"] == "job-dead",
                                  60, "the offer accepted").json()
             assert first["state"] == "received" and first["count"] == 0, first
+            assert proxy.holding.wait(120), "the host never sent half the bundle"
             host.kill()  # SIGKILL: no goodbye, chunks stop mid-transfer
             assert host.wait(10) == -9
+            proxy.close()
             part = sd / "staging" / "job-dead.hmod.part"
             assert part.exists(), "a partial download is on the device"
             # the timeouts below (120 s each) are far under the dead job's 600 s stall timeout: the
@@ -493,6 +500,7 @@ def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, br
             running_sha(rec, dev, sha(B["v3"]))
         finally:
             a.stop()
+            proxy.close()
 
 
 def test_an_older_bundle_is_refused_unless_the_job_allows_a_downgrade(wd, broker, B):
@@ -662,8 +670,9 @@ def test_key_rotation_add_then_retire_and_a_retired_keys_bundle_is_refused(wd, b
 class FlakyProxy:
     """127.0.0.1:port -> the broker, one thread per direction per connection. ``cut()`` resets
     every connection (RST), ``pause(s)`` holds all bytes for s seconds (longer than the
-    keepalive: the session dies), ``trickle(s)`` forwards one byte at a time for s seconds.
-    ``down`` counts the bytes that went broker -> agent."""
+    keepalive: the session dies), ``trickle(s)`` forwards one byte at a time for s seconds;
+    ``up_budget``: after that many bytes client -> broker, hold the rest for good (``holding``
+    is set). ``down`` counts the bytes that went broker -> agent."""
 
     def __init__(self, upstream: int) -> None:
         import socket
@@ -679,6 +688,9 @@ class FlakyProxy:
         self.paused_until = 0.0
         self.trickle_until = 0.0
         self.cuts = 0
+        self.up = 0
+        self.up_budget: int | None = None
+        self.holding = threading.Event()
         self._stop = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -705,6 +717,15 @@ class FlakyProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                if not downstream and self.up_budget is not None and self.up + len(data) > self.up_budget:
+                    dst.sendall(data[:self.up_budget - self.up])
+                    self.up = self.up_budget
+                    self.holding.set()
+                    while not self._stop:  # the rest never arrives
+                        time.sleep(0.05)
+                    break
+                if not downstream:
+                    self.up += len(data)
                 while time.monotonic() < self.paused_until:
                     time.sleep(0.05)
                 if time.monotonic() < self.trickle_until:
