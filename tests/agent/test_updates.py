@@ -806,6 +806,10 @@ def test_a_transfer_through_a_flaky_link_resumes_and_commits_once(wd, broker, B)
                 th.join(60)
                 assert out["devices"][dev]["state"] == "committed", (out, faults)
                 assert len(faults) == 3 and proxy.cuts >= 1, faults
+                # the host saw the final ack; our own subscriber may get it a moment later (and
+                # the device's needs before it, from the same publisher)
+                rec.wait_for(lambda m: m.topic == f"tandoor/{dev}/update/ack" and m.json().get("job_id") == "job-flaky"
+                             and m.json()["state"] == "committed", 30, "the committed ack")
                 needs = [m.json() for m in rec.on(f"tandoor/{dev}/update/need") if m.json()["job_id"] == "job-flaky"]
                 resumed = [n for n in needs if n.get("reconnected")]
                 assert len(resumed) >= 2, needs  # after the cut and after the session died in the pause
