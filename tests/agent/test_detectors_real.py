@@ -288,8 +288,7 @@ def test_snapshot_on_request_and_counts_in_telemetry(service):
     from paho.mqtt.properties import Properties
 
     rec = service["rec"]
-    rec.client.subscribe("ops/det1", qos=1)
-    time.sleep(0.2)  # the subscription above is asynchronous; the response is not retained
+    rec.subscribe("ops/det1")  # SUBACK before the request: the response is not retained
     before = len(rec.on("/snapshot"))
     props = Properties(PacketTypes.PUBLISH)
     props.ResponseTopic = "ops/det1"

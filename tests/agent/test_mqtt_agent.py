@@ -159,7 +159,9 @@ def test_offline_buffer_is_bounded_and_delivered_in_order(workdir):
         while link.buffered and time.monotonic() < deadline:  # acknowledged, not in flight
             time.sleep(0.01)
         b.kill()
+        deadline = time.monotonic() + 10
         while link.connected:
+            assert time.monotonic() < deadline, "the link did not notice the broker's death in 10 s"
             time.sleep(0.01)
         seqs = [link.publish_telemetry({"n": i}) for i in range(1, 11)]
         assert seqs == list(range(2, 12))
@@ -312,7 +314,12 @@ def test_tls_and_password_file(workdir):
         while not links[0].connected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert links[0].connected and links[0].connects == 1
-        time.sleep(1.0)
+        # the wrong password (the only client refused): wait until the broker's log says it refused
+        # it, then it is not connected
+        deadline = time.monotonic() + 15
+        while "disconnected, not authorised" not in b.log.read_text():
+            assert time.monotonic() < deadline, f"no refusal of tls-bad in the broker's log: {b.log.read_text()[-2000:]}"
+            time.sleep(0.05)
         assert not links[1].connected and links[1].connects == 0
     finally:
         for link in links:
@@ -357,8 +364,7 @@ def test_kill9_the_will_sets_status_offline_311_file_camera_fake_jetson_sysfs(wo
             st = status_of(rec, "b1", START_TIMEOUT, lambda s: s.get("state") == "running", "status running")
             assert st["online"] and st["protocol"] == "3.1.1" and st["camera"] == "file:bikes.mp4"
             # 3.1.1 has no response topic property: the request names one in its JSON
-            rec.client.subscribe("test/b1/answers", qos=1)
-            time.sleep(0.3)
+            rec.subscribe("test/b1/answers")
             rec.publish("tandoor/b1/cmd", json.dumps({"cmd": "ping", "response_topic": "test/b1/answers",
                                                       "correlation_id": "req-42"}))
             r = rec.wait_for(lambda m: m.topic == "test/b1/answers", 20).json()
@@ -422,11 +428,13 @@ def test_ready_after_the_first_inference_then_watchdog_pings(agent_a):
     assert len(ready) == 1
     text = next(m for _, m in notify.messages if m.startswith("READY=1"))
     assert "STATUS=running dynamic_batch" in text
-    time.sleep(2.5)
+    deadline = time.monotonic() + 30
+    while len([t for t in notify.states("WATCHDOG=1") if t > ready[0]]) < 5:  # every 0.5 s: half of WATCHDOG_USEC
+        assert time.monotonic() < deadline, notify.messages
+        time.sleep(0.05)
     pings = [t for t in notify.states("WATCHDOG=1") if t > ready[0]]
-    assert 3 <= len(pings) <= 12, len(pings)  # every 0.5 s (half of WATCHDOG_USEC)
     gaps = [b - a for a, b in zip(pings, pings[1:])]
-    assert max(gaps) < 1.0, gaps  # never close to the 1 s timeout
+    assert max(gaps) < 1.0, gaps  # inside WATCHDOG_USEC (1 s): systemd would kill the agent otherwise
     assert rec.on("/results"), "READY before any result?"
 
 
@@ -449,7 +457,7 @@ def test_telemetry_fields_and_values(agent_a):
     seqs = [t["seq"] for t in tels]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     t = tels[-1]
-    assert 5 < t["fps"] < 60, t["fps"]  # a 30 fps camera
+    assert t["fps"] > 0, t["fps"]  # frames are flowing; how fast is a benchmark's question
     for stage in ("capture", "preprocess", "inference", "postprocess"):
         lat = t["latency_ms"][stage]
         assert lat["p99"] >= lat["p95"] >= lat["p50"] > 0 and lat["mean"] > 0, (stage, lat)
@@ -467,12 +475,19 @@ def test_telemetry_fields_and_values(agent_a):
 def test_results_are_rate_limited(agent_a):
     rec = agent_a["rec"]
     t0 = time.time()
-    time.sleep(4.0)
-    results = [m for m in rec.on("/results") if t0 <= m.t <= t0 + 4.0]
-    tels = [m.json() for m in rec.on("/telemetry") if t0 <= m.t <= t0 + 4.0]
-    frames = tels[-1]["frames"] - tels[0]["frames"]
-    assert 5 <= len(results) <= 10, len(results)  # 2 Hz over 4 s (+1 at the edges)
-    assert frames >= 4 * len(results), (frames, len(results))  # most frames are not published
+    tel0 = rec.wait_for(lambda m: m.topic.endswith("/telemetry") and m.t > t0, 10, "telemetry").json()
+    def fresh():
+        return [r for r in rec.on("/results") if r.json()["ts"] > tel0["ts"]]
+
+    rec.wait_for(lambda m: m.topic.endswith("/results") and len(fresh()) >= 6, 30, "6 results")
+    results = fresh()[:6]
+    last_ts = results[-1].json()["ts"]
+    tel1 = rec.wait_for(lambda m: m.topic.endswith("/telemetry") and m.json()["ts"] > last_ts, 10, "telemetry").json()
+    # 2 Hz, by the agent's own publish stamps: result k comes >= (k - 1) periods after the first (the
+    # limiter lets one through at once after a lag, never more); a loaded machine only spaces them out
+    ts = [m.json()["ts"] for m in results]
+    assert all(ts[k] - ts[j] >= (k - j - 1) * 0.5 - 0.002 for j in range(6) for k in range(j + 1, 6)), ts
+    assert tel1["frames"] - tel0["frames"] > len(results), (tel0["frames"], tel1["frames"])  # frames held back
     r = results[-1].json()
     assert len(r["top"]) == 3 and r["top"][0][0] in LABELS and r["kind"] == "classifier"
     assert set(r["timings_ms"]) == {"capture", "preprocess", "inference", "postprocess"}
@@ -491,8 +506,7 @@ def _ask(rec, body, corr=None, topic="test/a1/answers", timeout=20):
 
 def test_commands_with_response_topic_and_correlation_data(agent_a):
     rec = agent_a["rec"]
-    rec.client.subscribe("test/a1/answers", qos=1)
-    time.sleep(0.3)
+    rec.subscribe("test/a1/answers")
 
     corr = uuid.uuid4().bytes
     r, c = _ask(rec, {"cmd": "ping"}, corr)
@@ -568,11 +582,17 @@ def test_reload_and_a_failed_reload_keeps_the_running_model(agent_a, workdir):
 
 def test_broker_killed_and_restarted_buffered_telemetry_arrives_in_order(agent_a, broker):
     rec = agent_a["rec"]
-    last = rec.wait_for(lambda m: m.topic.endswith("/telemetry"), 10)
-    time.sleep(0.6)
+    seen = max(m.json()["seq"] for m in rec.on("/telemetry"))
+    # kill right after a telemetry message arrived: the next one is a period away, none in flight
+    last = rec.wait_for(lambda m: m.topic.endswith("/telemetry") and m.json()["seq"] > seen, 10)
     before = max(m.json()["seq"] for m in rec.on("/telemetry"))
     broker.kill()
-    time.sleep(2.5)  # ~5 telemetry periods while offline
+    log = agent_a["agent"].log
+    deadline = time.monotonic() + 20
+    while "lost the broker" not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the agent did not notice the broker's death in 20 s"
+        time.sleep(0.05)
+    time.sleep(2.5)  # the outage itself (not a synchronisation): ~5 telemetry periods offline
     broker.start()
     # the agent retries RECONNECT_S after losing the broker; our subscriber is back within 0.2 s
     first_after = rec.wait_for(lambda m: m.topic.endswith("/telemetry") and m.json().get("queued_offline"), 30,
@@ -596,10 +616,8 @@ def test_broker_killed_and_restarted_buffered_telemetry_arrives_in_order(agent_a
 def test_sigterm_drains_publishes_offline_and_exits_0(agent_a):
     rec, agent, notify = agent_a["rec"], agent_a["agent"], agent_a["notify"]
     n_tel = len(rec.on("/telemetry"))
-    t0 = time.monotonic()
-    code = agent.stop(signal.SIGTERM, timeout=60)
+    code = agent.stop(signal.SIGTERM, timeout=30)  # systemd's TimeoutStopSec: SIGKILL after that
     assert code == 0, agent.output()[-3000:]
-    assert time.monotonic() - t0 < 20
     st = status_of(rec, "a1", 10, lambda s: not s["online"])
     assert st["reason"] == "stopped" and st["state"] == "stopped" and st["model"]["name"] == "dynamic_batch"
     final = rec.wait_for(lambda m: m.topic.endswith("/telemetry") and m.json()["state"] == "stopped", 10).json()

@@ -1,7 +1,8 @@
 """Frame -> preprocess (from the manifest) -> inference -> postprocess, on a real EfficientNet-Lite0
 bundle compiled by the real CLI with --mean/--std/--labels (host target), run with the
 onnxruntime delegate. Preprocessing checked against agent/preprocess.to_input and zoo.preprocess;
-postprocessors on known vectors; the per-frame overhead measured against inference."""
+postprocessors on known vectors; what each stage is timed at. (The stages' speed:
+scripts/bench-pipeline-stages.py.)"""
 
 from __future__ import annotations
 
@@ -133,14 +134,34 @@ def test_video_frames_through_the_pipeline(pipe):
         assert 0 <= r.timings["capture"] < 0.5  # lock-step: stamped at hand-out
 
 
-def test_realtime_source_with_a_slower_model_drops_frames(pipe):
+class _SlowerThanTheSource:
+    """The real module, made slower than the camera by construction: each run returns only after
+    the source captured two more frames, so at least one frame is overwritten before the next
+    hand-out however loaded the machine is."""
+
+    def __init__(self, module, src, deadline_s: float = 30.0) -> None:
+        self.module, self.src, self.deadline_s = module, src, deadline_s
+
+    def run(self, inputs):
+        want = self.src.captured + 2
+        outs = self.module.run(inputs)
+        deadline = time.monotonic() + self.deadline_s
+        while self.src.captured < want:
+            assert time.monotonic() < deadline, f"the source captured no 2 frames in {self.deadline_s:.0f} s"
+            time.sleep(0.005)
+        return outs
+
+
+def test_realtime_source_with_a_slower_model_drops_frames(module, pipe):
     """The model runs at its own pace; it always gets the newest frame, the rest are counted."""
     src = VideoFileSource(_bikes(), loop=True, realtime=True, fps=100)
+    slow = Pipeline(_SlowerThanTheSource(module, src), module.manifest, labels=pipe.labels)
     with src:
-        results = list(pipe.results(src, max_frames=6, timeout=10))
+        results = list(slow.results(src, max_frames=6, timeout=10))
     seqs = [r.seq for r in results]
-    assert all(b > a for a, b in zip(seqs, seqs[1:]))
-    assert src.dropped > 0 and src.captured == src.handed_out + src.dropped
+    assert len(seqs) == 6 and all(b - a >= 2 for a, b in zip(seqs, seqs[1:])), seqs  # a frame skipped each time
+    assert results[-1].top[0][0] in pipe.labels
+    assert src.dropped >= 5 and src.captured == src.handed_out + src.dropped
 
 
 def test_custom_decoder_by_name(module):
@@ -363,33 +384,18 @@ def test_nms():
     assert post.nms(np.zeros((0, 4)), np.zeros(0)).tolist() == []
 
 
-# --- overhead ----------------------------------------------------------------------------------------
+# --- stage timings -----------------------------------------------------------------------------------
 
-def test_per_frame_overhead_against_inference(pipe, module, capsys):
-    """640x272 frame -> 1x3x224x224: preprocessing and postprocessing per frame against
-    module.run on the same frames, interleaved as in the loop (caches as cold as they really are)."""
-    frames = []
+def test_stage_timings_account_for_the_call(pipe):
+    """What telemetry reports per stage: seconds, each stage timed, together within the wall time of
+    process() on a real 640x272 video frame. (How long the stages take is a benchmark's number:
+    scripts/bench-pipeline-stages.py, docs/benchmarks.md.)"""
     with VideoFileSource(_bikes(), loop=False, realtime=False) as src:
-        for _ in range(30):
-            frames.append(src.latest(10))
-    pre, inf, pst = [], [], []
+        frames = [src.latest(10) for _ in range(5)]
     for f in frames:
+        t0 = time.perf_counter()
         r = pipe.process(f)
-        pre.append(r.timings["preprocess"])
-        inf.append(r.timings["inference"])
-        pst.append(r.timings["postprocess"])
-    # the preprocessing alone, warm, on one frame
-    x = frames[0].image
-    warm = []
-    for _ in range(200):
-        t = time.perf_counter()
-        pipe.preprocess(x)
-        warm.append(time.perf_counter() - t)
-    med = {k: float(np.median(v)) * 1e3 for k, v in (("preprocess", pre), ("inference", inf), ("postprocess", pst))}
-    ratio = (med["preprocess"] + med["postprocess"]) / med["inference"]
-    with capsys.disabled():
-        print(f"\n[overhead] 640x272 -> 1x3x224x224, median over {len(frames)} frames: preprocess "
-              f"{med['preprocess']:.3f} ms (warm {np.median(warm) * 1e3:.3f} ms), "
-              f"postprocess {med['postprocess']:.3f} ms, inference {med['inference']:.2f} ms -> overhead {ratio * 100:.1f}% of inference")
-    assert float(np.median(warm)) < 0.002
-    assert ratio < 0.10  # goal 2%; loose here so a loaded CI machine does not fail it
+        wall = time.perf_counter() - t0
+        stages = [r.timings[k] for k in ("preprocess", "inference", "postprocess")]
+        assert all(v > 0 for v in stages) and sum(stages) <= wall, (r.timings, wall)
+        assert r.frame_hw == (272, 640) and r.top[0][0] in pipe.labels

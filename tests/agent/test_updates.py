@@ -158,12 +158,11 @@ def test_deploy_two_devices_with_the_cli(devs, broker, B):
 def test_same_job_twice_is_a_noop_with_the_same_final_ack(devs, broker, B):
     rec = devs["rec"]
     rec.clear()
-    t0 = time.monotonic()
     out = deploy(broker.port, B["v2"], ["u1"], job_id="job-v2", timeout=60)
     r = out["devices"]["u1"]
     assert r["state"] == "committed" and r.get("repeated") is True, r
-    assert time.monotonic() - t0 < 30
-    assert "trial" not in [a["state"] for a in acks(rec, "u1", "job-v2")]
+    # answered from the record: only the final ack again, nothing downloaded, verified or gated
+    assert {a["state"] for a in acks(rec, "u1", "job-v2")} == {"committed"}, acks(rec, "u1", "job-v2")
     assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
 
 
@@ -296,9 +295,13 @@ def test_broker_restart_mid_transfer_resumes(devs, broker, B):
                                                            chunk_hook=first_half_only)))
     th.start()
     assert half.wait(60)
-    time.sleep(0.5)
+    # the broker has delivered the first half (our subscriber got it too) before it dies
+    def chunks_seen() -> int:
+        return len({m.topic.rsplit("/", 1)[1] for m in list(rec.messages) if "/update/chunk/job-v4/" in m.topic})
+
+    rec.wait_for(lambda m: "/update/chunk/job-v4/" in m.topic and chunks_seen() >= n // 2, 60, "the first half")
     broker.kill()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the outage itself, not a synchronisation
     broker.start()
     t_back = time.time()
     th.join(280)
@@ -459,20 +462,28 @@ def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, br
     cfg = agent_config(wd, dev, broker.port, sd, B["pub"])
     big = padded(B, "v2-big", 24, "2")
     url = f"mqtt://127.0.0.1:{broker.port}"
+    # the host reaches the broker through a proxy that lets half the bundle's bytes through, then
+    # holds the rest: the transfer is cut in the middle however fast the machine is
+    proxy = FlakyProxy(broker.port)
+    proxy.up_budget = big.stat().st_size // 2
     with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
         a = start_agent(wd, dev, cfg, rec)
         try:
-            host = subprocess.Popen([str(BIN / "tandoor"), "fleet", "deploy", str(big), "--devices", dev, "--broker", url,
+            host = subprocess.Popen([str(BIN / "tandoor"), "fleet", "deploy", str(big), "--devices", dev, "--broker",
+                                     f"mqtt://127.0.0.1:{proxy.port}",
                                      "--job-id", "job-dead", "--chunk-size", str(CHUNK), "--stall-timeout", "600",
                                      "--timeout", "900"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             first = rec.wait_for(lambda m: m.topic.endswith("/update/ack") and m.json()["job_id"] == "job-dead",
                                  60, "the offer accepted").json()
             assert first["state"] == "received" and first["count"] == 0, first
+            assert proxy.holding.wait(120), "the host never sent half the bundle"
             host.kill()  # SIGKILL: no goodbye, chunks stop mid-transfer
             assert host.wait(10) == -9
+            proxy.close()
             part = sd / "staging" / "job-dead.hmod.part"
             assert part.exists(), "a partial download is on the device"
-            t0 = time.monotonic()
+            # the timeouts below (120 s each) are far under the dead job's 600 s stall timeout: the
+            # cancel and the next job cannot be waiting for it
             r = subprocess.run([str(BIN / "tandoor"), "fleet", "cancel", "job-dead", "--devices", dev, "--broker", url,
                                 "--json"], capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, r.stdout + r.stderr
@@ -482,7 +493,6 @@ def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, br
             assert not part.exists(), "the partial download is gone"
             out = deploy(broker.port, B["v3"], [dev], job_id="job-after", timeout=120)
             assert out["devices"][dev]["state"] == "committed", out
-            assert time.monotonic() - t0 < 120, "no wait for the dead job's 600 s stall timeout"
             running_sha(rec, dev, sha(B["v3"]))
             # the dead job offered again (a late retry): answered from the record, nothing resumed
             again = deploy(broker.port, big, [dev], job_id="job-dead", timeout=60)["devices"][dev]
@@ -490,6 +500,7 @@ def test_a_killed_deploy_is_cancelled_and_the_next_deploy_commits_at_once(wd, br
             running_sha(rec, dev, sha(B["v3"]))
         finally:
             a.stop()
+            proxy.close()
 
 
 def test_an_older_bundle_is_refused_unless_the_job_allows_a_downgrade(wd, broker, B):
@@ -659,8 +670,9 @@ def test_key_rotation_add_then_retire_and_a_retired_keys_bundle_is_refused(wd, b
 class FlakyProxy:
     """127.0.0.1:port -> the broker, one thread per direction per connection. ``cut()`` resets
     every connection (RST), ``pause(s)`` holds all bytes for s seconds (longer than the
-    keepalive: the session dies), ``trickle(s)`` forwards one byte at a time for s seconds.
-    ``down`` counts the bytes that went broker -> agent."""
+    keepalive: the session dies), ``trickle(s)`` forwards one byte at a time for s seconds;
+    ``up_budget``: after that many bytes client -> broker, hold the rest for good (``holding``
+    is set). ``down`` counts the bytes that went broker -> agent."""
 
     def __init__(self, upstream: int) -> None:
         import socket
@@ -676,6 +688,9 @@ class FlakyProxy:
         self.paused_until = 0.0
         self.trickle_until = 0.0
         self.cuts = 0
+        self.up = 0
+        self.up_budget: int | None = None
+        self.holding = threading.Event()
         self._stop = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -702,6 +717,15 @@ class FlakyProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                if not downstream and self.up_budget is not None and self.up + len(data) > self.up_budget:
+                    dst.sendall(data[:self.up_budget - self.up])
+                    self.up = self.up_budget
+                    self.holding.set()
+                    while not self._stop:  # the rest never arrives
+                        time.sleep(0.05)
+                    break
+                if not downstream:
+                    self.up += len(data)
                 while time.monotonic() < self.paused_until:
                     time.sleep(0.05)
                 if time.monotonic() < self.trickle_until:
@@ -782,6 +806,10 @@ def test_a_transfer_through_a_flaky_link_resumes_and_commits_once(wd, broker, B)
                 th.join(60)
                 assert out["devices"][dev]["state"] == "committed", (out, faults)
                 assert len(faults) == 3 and proxy.cuts >= 1, faults
+                # the host saw the final ack; our own subscriber may get it a moment later (and
+                # the device's needs before it, from the same publisher)
+                rec.wait_for(lambda m: m.topic == f"tandoor/{dev}/update/ack" and m.json().get("job_id") == "job-flaky"
+                             and m.json()["state"] == "committed", 30, "the committed ack")
                 needs = [m.json() for m in rec.on(f"tandoor/{dev}/update/need") if m.json()["job_id"] == "job-flaky"]
                 resumed = [n for n in needs if n.get("reconnected")]
                 assert len(resumed) >= 2, needs  # after the cut and after the session died in the pause
@@ -803,12 +831,11 @@ def test_a_job_without_progress_is_dropped_after_the_offered_stall_timeout(devs,
     device drops the job by itself and says so (failed, kind stalled, with how far it got), well
     before the job's deadline; the old model keeps serving."""
     rec = devs["rec"]
-    t0 = time.monotonic()
     out = deploy(broker.port, B["v5"], ["u2"], job_id="job-stall", timeout=240, stall_timeout_s=4,
                  chunk_hook=lambda *a: None)["devices"]["u2"]
+    # kind stalled, not expired: dropped for the offered stall timeout, before the job's deadline
     assert out["state"] == "failed" and out["kind"] == "stalled", out
     assert "no progress for 4 s" in out["reason"] and out["count"] == 0, out
-    assert time.monotonic() - t0 < 60
     running_sha(rec, "u2", sha(B["v3"]))
 
 

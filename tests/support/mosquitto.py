@@ -138,7 +138,8 @@ def make_tls_files(d: Path) -> dict[str, Path]:
 class Recorder:
     """A paho subscriber that keeps every message: (topic, payload bytes, properties, retain).
 
-    ``wait_for(pred, timeout)`` waits until some recorded message satisfies pred(msg)."""
+    ``wait_for(pred, timeout)`` waits until some recorded message satisfies pred(msg);
+    ``subscribe(topic)`` returns once the broker's SUBACK granted it."""
 
     def __init__(self, port: int, topics: list[str] | str = "#", protocol: int | None = None) -> None:
         import paho.mqtt.client as mqtt
@@ -150,11 +151,12 @@ class Recorder:
         self.messages: list[Message] = []
         self._cond = threading.Condition()
         self.subscribed = threading.Event()
+        self._subacks: dict[int, list[bool]] = {}  # mid -> failure flag per topic, from each SUBACK
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"rec-{uuid.uuid4().hex[:8]}",
                                   protocol=protocol or mqtt.MQTTv5)
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
-        self.client.on_subscribe = lambda *a: self.subscribed.set()
+        self.client.on_subscribe = self._on_subscribe
         self.client.reconnect_delay_set(0.2, 1)
 
     def start(self, timeout: float = 10.0) -> Recorder:
@@ -164,8 +166,21 @@ class Recorder:
         return self
 
     def _on_connect(self, client, userdata, flags, reason, props) -> None:
-        for t in self.topics:
-            client.subscribe(t, qos=1)
+        client.subscribe([(t, 1) for t in self.topics])  # one SUBACK for all: `subscribed` means all
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, props) -> None:
+        with self._cond:
+            self._subacks[mid] = [rc.is_failure for rc in reason_codes]
+            self._cond.notify_all()
+        self.subscribed.set()
+
+    def subscribe(self, topic: str, qos: int = 1, timeout: float = 10.0) -> None:
+        """Subscribe and wait for the SUBACK: from then on the broker delivers topic to us."""
+        rc, mid = self.client.subscribe(topic, qos=qos)
+        assert rc == self._mqtt.MQTT_ERR_SUCCESS, f"subscribe {topic}: {self._mqtt.error_string(rc)}"
+        with self._cond:
+            assert self._cond.wait_for(lambda: mid in self._subacks, timeout), f"no SUBACK for {topic} in {timeout} s"
+            assert not any(self._subacks[mid]), f"the broker refused the subscription to {topic}"
 
     def _on_message(self, client, userdata, msg) -> None:
         m = Message(msg.topic, bytes(msg.payload), getattr(msg, "properties", None), bool(msg.retain), time.time())
@@ -174,6 +189,9 @@ class Recorder:
             self._cond.notify_all()
 
     def wait_for(self, pred, timeout: float = 30.0, what: str = "a message"):
+        """The first recorded message satisfying pred, waiting up to timeout. A predicate that
+        raises fails the test naming the message: a malformed message is a finding, not "no match"
+        (predicates check the topic before they parse the payload)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -181,8 +199,9 @@ class Recorder:
                     try:
                         if pred(m):
                             return m
-                    except Exception:
-                        pass
+                    except Exception as e:
+                        raise AssertionError(f"waiting for {what}: the predicate raised "
+                                             f"{type(e).__name__}: {e} on {m!r}") from e
                 left = deadline - time.monotonic()
                 if left <= 0:
                     topics = [x.topic for x in self.messages[-10:]]
