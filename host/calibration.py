@@ -15,10 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tandoor_agent.serve.camera import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from tandoor_compiler.errors import CompileError
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v", ".mpg", ".mpeg")
 
 
 @dataclass(frozen=True)
@@ -44,15 +42,15 @@ def open_source(path: str | Path, what: str = "--calibration") -> Source:
     """A directory of images or a video file; CompileError naming the problem otherwise."""
     p = Path(path)
     if p.is_dir():
-        files = tuple(sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES))
+        files = tuple(sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS))
         if not files:
             raise CompileError(f"{what} {p}: no images in the directory (looked for "
-                               f"{', '.join(IMAGE_SUFFIXES)}); give a directory of images or a video file")
+                               f"{', '.join(IMAGE_EXTENSIONS)}); give a directory of images or a video file")
         return Source(p, files=files)
     if not p.exists():
         raise CompileError(f"{what} {p}: no such file or directory; give a directory of images or a video file")
-    if p.suffix.lower() not in VIDEO_SUFFIXES:
-        raise CompileError(f"{what} {p}: not a directory of images or a video ({', '.join(VIDEO_SUFFIXES)})")
+    if p.suffix.lower() not in VIDEO_EXTENSIONS:
+        raise CompileError(f"{what} {p}: not a directory of images or a video ({', '.join(VIDEO_EXTENSIONS)})")
     import cv2
 
     cap = cv2.VideoCapture(str(p))

@@ -245,35 +245,51 @@ print(json.dumps(report))
 """
 
 
+def _run_many(board, bundles: dict[str, Path], tmp_path, env: dict | None = None, timeout: int = TIMEOUT):
+    """Run ``bundles`` (name -> bundle) in one board process with --delegate armnn: the per-bundle
+    describe() report, the outputs as a list per name, and the seconds it took."""
+    remote = {name: board.put(b) for name, b in bundles.items()}
+    t0 = time.monotonic()
+    res = board.run([f"{board.venv}/bin/python", "-c", _RUN_MANY, *remote.values()], env=env, timeout=timeout)
+    secs = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    subgraphs, outs = {}, {}
+    for name, bundle in bundles.items():
+        subgraphs[name] = report[Path(remote[name]).name]
+        local = board.get(str(Path(remote[name]).with_suffix(".outs")), tmp_path / f"{name}.outs")
+        outs[name] = [np.load(local / f"output_{j}.npy") for j in range(len(reference(bundle)))]
+    return subgraphs, outs, secs
+
+
+def _off_cpuacc_or_reference(bundles: dict[str, Path], subgraphs: dict, outs: dict) -> list[str]:
+    """One line per order not on Arm NN with every layer on CpuAcc, and per bundle whose outputs
+    are not within 1e-3 of the host onnxruntime reference."""
+    failures = []
+    for name, bundle in bundles.items():
+        if not subgraphs[name]:
+            failures.append(f"{name}: no delegated subgraph")
+        for sg in subgraphs[name]:
+            if sg["executor"] != "armnn" or sg.get("fallback_reason"):
+                failures.append(f"{name}: {sg['symbol']} ran on {sg['executor']}: {sg.get('fallback_reason')}")
+            elif set(sg.get("layers") or {}) != {"CpuAcc"}:
+                failures.append(f"{name}: {sg['symbol']} layers {sg.get('layers')}, off CpuAcc: "
+                                f"{sg.get('layers_elsewhere')}")
+        try:
+            assert_matches(outs[name], reference(bundle), f"{name} on armnn/CpuAcc")
+        except AssertionError as err:
+            failures.append(str(err).strip().splitlines()[0])
+    return failures
+
+
 def test_every_op_type_on_cpuacc_matches_onnxruntime(board, op_bundles, tmp_path):
     """One bundle per op type (tests/board/op_models.py) run on the board by the agent's runtime
     with --delegate armnn: every order on Arm NN, every one of its layers on CpuAcc (ACL NEON),
     every output within 1e-3 of onnxruntime on the source model (the bundle's golden output)."""
-    remote = {op: board.put(bundle) for op, bundle in op_bundles.items()}
-    t0 = time.monotonic()
-    res = board.run([f"{board.venv}/bin/python", "-c", _RUN_MANY, *remote.values()])
-    secs = time.monotonic() - t0
-    assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
-    failures = []
-    for op_type, bundle in op_bundles.items():
-        subgraphs = report[Path(remote[op_type]).name]
-        assert subgraphs, f"{op_type}: no delegated subgraph"
-        for sg in subgraphs:
-            if sg["executor"] != "armnn" or sg.get("fallback_reason"):
-                failures.append(f"{op_type}: {sg['symbol']} ran on {sg['executor']}: {sg.get('fallback_reason')}")
-            elif set(sg.get("layers") or {}) != {"CpuAcc"}:
-                failures.append(f"{op_type}: {sg['symbol']} layers {sg.get('layers')}, off CpuAcc: "
-                                f"{sg.get('layers_elsewhere')}")
-        local = board.get(str(Path(remote[op_type]).with_suffix(".outs")), tmp_path / f"{op_type}.outs")
-        want = reference(bundle)
-        outs = [np.load(local / f"output_{j}.npy") for j in range(len(want))]
-        try:
-            assert_matches(outs, want, f"{op_type} on armnn/CpuAcc")
-        except AssertionError as err:
-            failures.append(str(err).strip().splitlines()[0])
+    subgraphs, outs, secs = _run_many(board, op_bundles, tmp_path)
+    failures = _off_cpuacc_or_reference(op_bundles, subgraphs, outs)
     assert not failures, "\n".join(failures)
-    print(f"{len(op_bundles)} op types, {sum(len(v) for v in report.values())} orders on {board.describe}: "
+    print(f"{len(op_bundles)} op types, {sum(len(v) for v in subgraphs.values())} orders on {board.describe}: "
           f"{secs:.0f} s")
 
 
@@ -345,77 +361,45 @@ def test_install_on_board_picks_packages_per_distribution(codename, abi):
 
 # --- real pretrained models from registry packages (zoo/wild.py) ------------------------------------
 
-def _wild_bundles(bundles_dir) -> dict[str, Path]:
-    """The bundles tests/compiler/test_wild.py compiled (host + aarch64), once per session."""
+def _wild_bundle(name: str, bundles_dir) -> Path:
+    """A real model's bundle as tests/compiler/test_wild.py compiles it (host + aarch64), once per session."""
     from tandoor_zoo import wild
 
-    out = {}
-    for name, m in sorted(wild.MODELS.items()):
-        pins = [a for pin in m.inputs for a in ("--input", pin)]
-        out[name] = compiled(f"wild_{name}", wild.fetch(name), bundles_dir, *pins)
-    return out
+    pins = [a for pin in wild.MODELS[name].inputs for a in ("--input", pin)]
+    return compiled(f"wild_{name}", wild.fetch(name), bundles_dir, *pins)
 
 
 # (model, Arm NN release) whose order that release computes wrongly on CpuAcc (measured on the
-# emulated bookworm board, by cutting the order op by op against its ONNX rendering in
-# onnxruntime): the executor's load-time check (Api.reference_check) must catch them and leave
-# the order to onnxruntime. PicoDet's neck: a channel concat after a resize, 90% of its second
-# input's rows shifted; PP-OCRv4 det: its FPN's SE blocks off by hundreds on random input
-# (hidden on the golden image by the final sigmoid: 0.0097 there).
+# emulated boards, by cutting the order op by op against its ONNX rendering in onnxruntime). The
+# executor's load-time check against onnxruntime catches them and leaves the order to onnxruntime.
+# PicoDet's neck: a channel concat after a resize, 90% of its second input's rows shifted; PP-OCRv4
+# det: its FPN's SE blocks off by hundreds on random input (hidden on the golden image by the final
+# sigmoid: 0.0097 there); YOLOX: wrong from its first channel concat on.
 ARMNN_GETS_WRONG = {("picodet_layout", "20.08"), ("ppocr_det", "20.08"), ("yolox_det", "23.08")}
 # The check costs one onnxruntime run per order at load, minutes under qemu for these models: the
-# emulated boards run with it off (boards.py) except the real-model test, which proves it.
+# emulated boards run with it off (boards.py); the catch test turns it on for CATCH_SHOWN alone.
 CHECK = {"TANDOOR_ARMNN_CHECK": "1"}
+CATCH_SHOWN = {("yolox_det", "23.08")}  # the smallest of the caught orders
 BOARD_ARMNN = {"bookworm": "20.08", "trixie": "23.08"}  # the emulated boards' Arm NN (common.sh)
 
 
-def _caught_at_load(name: str, sg: dict) -> bool:
-    return sg["executor"] == "onnxruntime" and any(
-        n == name and f"Arm NN {r} on CpuAcc computes this order wrongly" in (sg.get("fallback_reason") or "")
-        for n, r in ARMNN_GETS_WRONG)
+def _armnn_gets_wrong(board, name: str) -> bool:
+    return (name, BOARD_ARMNN.get(getattr(board, "name", ""))) in ARMNN_GETS_WRONG
 
 
 def test_real_models_run_on_cpuacc_and_match_the_reference(board, bundles_dir, tmp_path):
     """Detectors and dense models from the wild (YOLOv8, YOLOX, PicoDet, CenterFace, DBNet) and
     classic CNNs, as the compiler test compiled them: on the board every order on Arm NN, every
     layer on CpuAcc, outputs within 1e-3 of onnxruntime on the host (the golden output). One board
-    process runs them all (imports cost ~20 s a process under emulation)."""
-    release = BOARD_ARMNN.get(getattr(board, "name", ""))
-    # the orders this board's Arm NN gets wrong are not run here (the check that catches them costs
-    # minutes of emulated onnxruntime each): test_what_arm_nn_gets_wrong_is_caught_at_load
-    bundles = {n: b for n, b in _wild_bundles(bundles_dir).items() if (n, release) not in ARMNN_GETS_WRONG}
-    remote = {name: board.put(b) for name, b in bundles.items()}
-    t0 = time.monotonic()
-    res = board.run([f"{board.venv}/bin/python", "-c", _RUN_MANY, *remote.values()])
-    secs = time.monotonic() - t0
-    assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
-    failures = []
-    for name, bundle in bundles.items():
-        subgraphs = report[Path(remote[name]).name]
-        if not subgraphs:
-            failures.append(f"{name}: no delegated subgraph")
-        for sg in subgraphs:
-            if _caught_at_load(name, sg):
-                continue  # left to onnxruntime: the outputs below must still match
-            if sg["executor"] != "armnn" or sg.get("fallback_reason"):
-                failures.append(f"{name}: {sg['symbol']} ran on {sg['executor']}: {sg.get('fallback_reason')}")
-            elif set(sg.get("layers") or {}) != {"CpuAcc"}:
-                failures.append(f"{name}: {sg['symbol']} layers {sg.get('layers')}, off CpuAcc: "
-                                f"{sg.get('layers_elsewhere')}")
-        local = board.get(str(Path(remote[name]).with_suffix(".outs")), tmp_path / f"{name}.outs")
-        want = reference(bundle)
-        outs = [np.load(local / f"output_{j}.npy") for j in range(len(want))]
-        try:
-            assert_matches(outs, want, f"{name} on armnn/CpuAcc")
-        except AssertionError as err:
-            failures.append(str(err).strip().splitlines()[0])
+    process runs them all (imports cost ~20 s a process under emulation). The orders this board's
+    Arm NN gets wrong are left out: test_what_arm_nn_gets_wrong_is_caught_at_load."""
+    from tandoor_zoo import wild
+
+    bundles = {n: _wild_bundle(n, bundles_dir) for n in sorted(wild.MODELS) if not _armnn_gets_wrong(board, n)}
+    subgraphs, outs, secs = _run_many(board, bundles, tmp_path)
+    failures = _off_cpuacc_or_reference(bundles, subgraphs, outs)
     assert not failures, "\n".join(failures)
     print(f"{len(bundles)} real models on armnn/CpuAcc on {board.describe}: {secs:.0f} s")
-
-
-# the smallest of the caught orders, run with the check on: minutes under qemu each
-CATCH_SHOWN = {("yolox_det", "23.08")}
 
 
 @pytest.mark.ci_may_skip("only the boards whose Arm NN has an order in CATCH_SHOWN run it")
@@ -427,22 +411,13 @@ def test_what_arm_nn_gets_wrong_is_caught_at_load(board, bundles_dir, tmp_path):
     names = [n for n, r in sorted(CATCH_SHOWN) if r == release]
     if not names:
         pytest.skip(f"no caught order is shown on this board (Arm NN {release})")
-    from tandoor_zoo import wild
-
-    for name in names:
-        m = wild.MODELS[name]
-        bundle = compiled(f"wild_{name}", wild.fetch(name), bundles_dir,
-                          *[a for pin in m.inputs for a in ("--input", pin)])
-        remote = board.put(bundle)
-        res = board.run([f"{board.venv}/bin/python", "-c", _RUN_MANY, remote], env=CHECK, timeout=2400)
-        assert res.returncode == 0, res.stderr[-4000:]
-        report = json.loads(res.stdout.strip().splitlines()[-1])
-        for sg in report[Path(remote).name]:
-            assert _caught_at_load(name, sg), sg
-        local = board.get(str(Path(remote).with_suffix(".outs")), tmp_path / f"{name}.outs")
-        want = reference(bundle)
-        assert_matches([np.load(local / f"output_{j}.npy") for j in range(len(want))], want,
-                       f"{name} caught and run on onnxruntime")
+    bundles = {n: _wild_bundle(n, bundles_dir) for n in names}
+    subgraphs, outs, _ = _run_many(board, bundles, tmp_path, env=CHECK, timeout=2400)
+    for name, bundle in bundles.items():
+        for sg in subgraphs[name]:
+            assert sg["executor"] == "onnxruntime", sg
+            assert f"Arm NN {release} on CpuAcc computes this order wrongly" in sg["fallback_reason"], sg
+        assert_matches(outs[name], reference(bundle), f"{name} caught and run on onnxruntime")
 
 
 def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_dir, tmp_path):
@@ -457,8 +432,8 @@ def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_d
 
     problems = []
     for name, det in detectors.DETECTORS.items():
-        if (name, BOARD_ARMNN.get(getattr(board, "name", ""))) in ARMNN_GETS_WRONG:
-            continue  # its order runs on onnxruntime there (the real-model test proves the catch):
+        if _armnn_gets_wrong(board, name):
+            continue  # its order runs on onnxruntime there (test_what_arm_nn_gets_wrong_is_caught_at_load):
             # under qemu that is minutes of emulated MLAS for boxes the host test already checks
         bundle = detectors.compiled_detector(name, bundles_dir)
         img = det.images[0]
@@ -470,8 +445,6 @@ def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_d
         assert res.returncode == 0, f"{name}: {res.stderr[-2000:]}"
         report = json.loads(res.stdout)
         for sg in report["subgraphs"]:
-            if _caught_at_load(name, sg):
-                continue
             if sg["executor"] != "armnn" or set(sg.get("layers") or {}) != {"CpuAcc"}:
                 problems.append(f"{name}: {sg['symbol']} on {sg['executor']} {sg.get('layers')}")
         ours = report["result"]["detections"]

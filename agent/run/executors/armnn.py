@@ -78,11 +78,6 @@ class Api:
     # the binding has AddTransposeLayer (numpy's transpose, every permutation on CpuAcc, 23.08);
     # without it a transpose is a chain of Permutes NEPermute takes (PERMUTES_2008)
     transpose_layer: bool = False
-    # each order's result is compared with onnxruntime's when it is loaded, and an order this
-    # Arm NN gets wrong is left to the next executor (20.08: PicoDet's neck came out of CpuAcc with
-    # 90% of a channel concat's second input wrong, rows shifted; 23.08: YOLOX's first channel
-    # concat on; the same layers alone are right). TANDOOR_ARMNN_CHECK=0 turns it off.
-    reference_check: bool = True
 
 
 APIS: dict[str, Api] = {
