@@ -14,6 +14,8 @@ from pathlib import Path
 
 import onnx
 
+from tandoor_contract import hmod
+
 from . import normalise
 from .errors import CompileError
 
@@ -56,6 +58,9 @@ def parse_input_specs(specs: list[str] | tuple[str, ...]) -> dict[str, list[int]
 def _read_model(path: Path) -> onnx.ModelProto:
     if not path.is_file():
         raise CompileError(f"{path}: no such file; give the path of an .onnx model")
+    if hmod.is_bundle(path):
+        raise CompileError(f"{path}: a Tandoor bundle, not an ONNX model; give the .onnx it was compiled from "
+                           "(tandoor-agent run and tandoor inspect take the bundle)")
     try:
         model = onnx.load(str(path))      # external data, if any, from beside the file
     except Exception as err:  # protobuf DecodeError and friends

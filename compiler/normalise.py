@@ -65,7 +65,7 @@ def _inits(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
     return {i.name: i for i in model.graph.initializer}
 
 
-def _opset(model: onnx.ModelProto) -> int:
+def opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
@@ -92,21 +92,25 @@ def initializers_out_of_inputs(model: onnx.ModelProto, ctx: Context) -> None:
 
 
 def upgrade_old_opset(model: onnx.ModelProto, ctx: Context) -> None:
-    v = _opset(model)
-    if v >= MIN_OPSET:
-        return
+    if opset(model) < MIN_OPSET:
+        ctx.notes.append(upgrade_opset(model, UPGRADE_TO, ctx.path.name,
+                                       f"is older than any onnxruntime runs; re-export the model with opset >= {MIN_OPSET}"))
+
+
+def upgrade_opset(model: onnx.ModelProto, to: int, name: str, why: str) -> str:
+    """Upgrade ``model`` in place to opset ``to`` with onnx's version converter (CompileError
+    naming ``why`` when it cannot); the note to show. Callers check that it is older."""
     from onnx import version_converter
 
+    v = opset(model)
     _prelu6_slopes_per_channel(model)
-
     try:
-        up = version_converter.convert_version(model, UPGRADE_TO)
+        up = version_converter.convert_version(model, to)
     except Exception as err:
-        raise CompileError(f"{ctx.path.name}: opset {v} is older than any onnxruntime runs and onnx's version "
-                           f"converter could not upgrade it ({_first_line(err)}); re-export the model with opset "
-                           f">= {MIN_OPSET}") from None
+        raise CompileError(f"{name}: opset {v} {why} (onnx's version converter could not upgrade it: "
+                           f"{_first_line(err)})") from None
     model.CopyFrom(up)
-    ctx.notes.append(f"opset {v} upgraded to {UPGRADE_TO} with onnx's version converter")
+    return f"opset {v} upgraded to {to} with onnx's version converter"
 
 
 def _prelu6_slopes_per_channel(model: onnx.ModelProto) -> None:

@@ -51,7 +51,7 @@ class Options:
     labels: Path | None = None
     mean: list[float] | None = None
     std: list[float] | None = None
-    layout: str = "NCHW"
+    layout: str | None = None     # None: media.guess_layout of the input shape
     bgr: bool = False
     policy: str = "cost"          # cost | all | none (none: everything in TVM, for benchmarks)
     name: str | None = None
@@ -82,7 +82,8 @@ def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None
     if opts.mean is None and opts.std is None and not opts.bgr and opts.resize == "stretch" \
             and opts.pixel_range is None:
         return None
-    chans = inputs[0].shape[1 if opts.layout == "NCHW" else -1]
+    layout = opts.layout or media.guess_layout(inputs[0].shape)
+    chans = inputs[0].shape[1 if layout == "NCHW" else -1]
     mean = opts.mean or [0.0] * chans
     std = opts.std or [1.0] * chans
     for label, v in (("--mean", mean), ("--std", std)):
@@ -97,7 +98,7 @@ def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None
         scale = 1.0 if max(mean + std) > 1.0 else 255.0
     try:
         return media.preprocess_entry(resize=opts.resize, align=opts.letterbox_align, pad_value=opts.pad_value,
-                                      mean=mean, std=std, scale=scale, bgr=opts.bgr, layout=opts.layout)
+                                      mean=mean, std=std, scale=scale, bgr=opts.bgr, layout=layout)
     except media.MediaError as err:
         raise CompileError(str(err)) from None
 
@@ -413,7 +414,8 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
         "tandoor_version": _tandoor_version(),
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "targets": target_entries,
-        "inputs": [{**i.as_dict(), "layout": opts.layout if len(i.shape) == 4 else None} for i in loaded.inputs],
+        "inputs": [{**i.as_dict(), "layout": (opts.layout or media.guess_layout(i.shape)) if len(i.shape) == 4
+                    else None} for i in loaded.inputs],
         "outputs": [o.as_dict() for o in loaded.outputs],
         "preprocess": preprocess,
         "postprocess": postprocess,

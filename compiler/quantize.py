@@ -29,12 +29,13 @@ from onnx import numpy_helper
 
 from tandoor_contract import durable
 
-from . import frontend
+from . import frontend, normalise
 from .errors import CompileError
 
 METHODS = ("minmax", "entropy", "percentile")
 ACTIVATIONS = ("int8", "uint8")
 MIN_SAMPLES = 10           # fewer gives ranges from a handful of frames; 100-500 is usual
+QDQ_OPSET = 13            # per-channel DequantizeLinear (its axis attribute) from opset 13 on
 METADATA_KEY = "tandoor.quantize"   # in the output's metadata_props: how it was made (JSON)
 
 # ops that mean the model is quantized already (QDQ, QOperator or integer ops)
@@ -142,6 +143,11 @@ def quantize_model(model: str | Path, out: str | Path, *,
                            f"tandoor compile {Path(model).name} -o OUT.hmod")
     say("loading and normalising the ONNX model")
     loaded = frontend.load(model, list(inputs))
+    if normalise.opset(loaded.proto) < QDQ_OPSET:
+        # per-channel DequantizeLinear takes an axis from opset 13 on; onnxruntime's quantizer
+        # writes one into an older model as it is, which then no checker or importer accepts
+        say(normalise.upgrade_opset(loaded.proto, QDQ_OPSET, loaded.path.name,
+                                    "is too old for QDQ quantization; re-export the model with opset >= 13"))
     names = [i.name for i in loaded.inputs]
     reader = _Reader(names, calibration(loaded.inputs), count, progress)
     with tempfile.TemporaryDirectory(prefix="tandoor-quantize-") as tmp:

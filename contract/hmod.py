@@ -466,6 +466,16 @@ def _write_member(zf: zipfile.ZipFile, name: str, src: bytes | Path, sha: str) -
 
 
 # ------------------------------------------------------------------------------------- reading
+def is_bundle(path: PathLike) -> bool:
+    """Whether ``path`` looks like a bundle (a zip with a manifest): for the one-line hint when a
+    bundle is given where a model is expected. Not a check of the bundle."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return MANIFEST in z.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def open_bundle(path: PathLike, trusted_keys: Iterable[KeySource] = (),
                 require_signature: bool | None = None) -> Bundle:
     """Open and fully verify a bundle; nothing in it is used before every check passes.

@@ -35,6 +35,14 @@ RESIZE_MODES = ("stretch", "letterbox")
 ALIGNS = ("center", "topleft")
 
 
+def guess_layout(shape) -> str:
+    """NHWC when a 4-D shape's last axis is 1 or 3 channels and its second is not (MTCNN's
+    1x48x48x3, Keras exports), else NCHW: what compile records and the agent assumes when the
+    user gives no --layout."""
+    s = list(shape)
+    return "NHWC" if len(s) == 4 and s[3] in (1, 3) and s[1] not in (1, 3) else "NCHW"
+
+
 class MediaError(TandoorError, ValueError):
     exit_code = 2
     kind = "media"

@@ -148,7 +148,8 @@ def main() -> None:
 @click.option("--labels", type=click.Path(dir_okay=False, path_type=Path), help="Class labels, one per line.")
 @click.option("--mean", help="Per-channel mean, e.g. 0.485,0.456,0.406 (0..1 units) or 127,127,127 (pixel units).")
 @click.option("--std", help="Per-channel std, same units as --mean.")
-@click.option("--layout", type=click.Choice(["NCHW", "NHWC"]), default="NCHW", show_default=True, help="Input image layout.")
+@click.option("--layout", type=click.Choice(["NCHW", "NHWC"]), default=None,
+              help="Input image layout. Default: from the input's shape (a last axis of 1 or 3 channels is NHWC).")
 @click.option("--bgr", is_flag=True, help="The model expects BGR channel order.")
 @click.option("--policy", type=click.Choice(["cost", "all", "none"]), default="cost", show_default=True,
               help="cost: delegate a subgraph only when its gain beats its boundary cost (compiler/cost.py); "

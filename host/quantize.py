@@ -15,8 +15,8 @@ from tandoor_contract import media
 PREPROCESS_OPTIONS = (
     click.option("--mean", help="Per-channel mean, as tandoor compile --mean (0..1 or pixel units)."),
     click.option("--std", help="Per-channel std, same units as --mean."),
-    click.option("--layout", type=click.Choice(["NCHW", "NHWC"]), default="NCHW", show_default=True,
-                 help="Input image layout."),
+    click.option("--layout", type=click.Choice(["NCHW", "NHWC"]), default=None,
+                 help="Input image layout. Default: from the input's shape (a last axis of 1 or 3 channels is NHWC)."),
     click.option("--bgr", is_flag=True, help="The model expects BGR channel order."),
     click.option("--resize", type=click.Choice(media.RESIZE_MODES), default="stretch", show_default=True,
                  help="stretch to the input, or letterbox (keep the aspect ratio, pad)."),
@@ -94,7 +94,7 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
             raise CompileError(f"the model has {len(model_inputs)} inputs; calibration from images feeds "
                                "one image input")
         chosen["preprocess"] = preprocess_entry(model_inputs, **flags)
-        spec = {**model_inputs[0].as_dict(), "layout": layout}
+        spec = {**model_inputs[0].as_dict(), "layout": layout or media.guess_layout(model_inputs[0].shape)}
         return ([x] for x in calib.tensors(src, calib.pick(src.size, n), spec, chosen["preprocess"]))
 
     with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

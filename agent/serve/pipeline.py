@@ -110,7 +110,12 @@ def decode(manifest: dict, outputs: list[np.ndarray], *, frame_hw: tuple[int, in
     from outputs computed elsewhere: ``tandoor-agent run``, a board's saved outputs. ``frame_hw``:
     the image the input was made from (default: the input's own size, boxes in input pixels)."""
     spec = (manifest.get("inputs") or [{}])[0]
-    layout, _, h, w = input_geometry(spec, manifest.get("preprocess"))
+    try:
+        layout, _, h, w = input_geometry(spec, manifest.get("preprocess"))
+    except ValueError:
+        if media.read_postprocess(manifest.get("postprocess")):
+            raise  # a box decoder needs the image input's size
+        h, w = frame_hw or (1, 1)  # not an image input: raw outputs or scores, no geometry to map
     pre = media.read_preprocess(manifest.get("preprocess"))
     geometry = Geometry.of(tuple(frame_hw or (h, w)), (h, w), pre["resize"], pre["align"])
     dec = Decoding(manifest, postprocessor, labels, top_k, options, (h, w))

@@ -96,8 +96,8 @@ def input_geometry(spec: dict, pre: dict | None) -> tuple[str, int, int, int]:
     if shape[0] != 1:
         raise ValueError(f"input {spec.get('name')!r}: batch {shape[0]}; frames are processed one at a time (batch 1)")
     layout = (pre or {}).get("layout") or spec.get("layout")
-    if layout is None:  # guess from where a 1- or 3-channel axis is
-        layout = "NHWC" if shape[3] in (1, 3) and shape[1] not in (1, 3) else "NCHW"
+    if layout is None:
+        layout = media.guess_layout(shape)
     if layout not in ("NCHW", "NHWC"):
         raise ValueError(f"input {spec.get('name')!r}: layout {layout!r} is neither NCHW nor NHWC")
     c, h, w = (shape[1], shape[2], shape[3]) if layout == "NCHW" else (shape[3], shape[1], shape[2])

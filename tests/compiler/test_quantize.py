@@ -210,3 +210,22 @@ def test_a_quantized_model_compiles_as_it_is_within_its_quantization_steps(tmp_p
     assert fp["max_abs_err"] > step
     shown = run_cli("tandoor", "inspect", str(out)).stdout
     assert "INT8 (QDQ" in " ".join(shown.split()) and "float32 between each DequantizeLinear" in " ".join(shown.split())
+
+
+def test_an_opset_12_model_is_upgraded_so_its_per_channel_qdq_model_is_valid(tmp_path, frames):
+    """MTCNN's O-Net is opset 12: onnxruntime's quantizer wrote per-channel DequantizeLinear axes
+    into it as it was, and the result was no valid ONNX model (compile: "Unrecognized attribute:
+    axis for operator DequantizeLinear")."""
+    m = tiny_cnn()
+    m.opset_import[0].version = 12
+    src = tmp_path / "op12.onnx"
+    onnx.save(m, str(src))
+    out = tmp_path / "op12.int8.onnx"
+    res = quantize(src, out, frames["calib"], "--images", "20")
+    assert res.returncode == 0, res.stderr
+    q = onnx.load(str(out))
+    onnx.checker.check_model(q, full_check=True)
+    assert next(o.version for o in q.opset_import if o.domain in ("", "ai.onnx")) >= 13
+    assert sorted(v.size for v in weight_scales(q).values()) == [8, 8, 10]   # still per channel
+    c = run_cli("tandoor", "compile", str(out), "-o", str(tmp_path / "op12.hmod"), "-q", "--mean", MEAN, "--std", STD)
+    assert c.returncode == 0, c.stderr

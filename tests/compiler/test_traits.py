@@ -280,3 +280,46 @@ def test_a_build_number_travels_in_the_signed_manifest_and_orders_releases(tmp_p
     assert man["build"] == 7
     assert "build 5 is older than the committed build 7" in hmod.downgrade_reason({**man, "build": 5}, man)
     assert hmod.downgrade_reason({**man, "build": 8}, man) is None
+
+
+# --- 11. an NHWC image input (MTCNN, Keras exports) ----------------------------------------------------
+
+def test_an_nhwc_image_input_is_recorded_as_nhwc_and_the_agent_feeds_it_an_image(tmp_path):
+    """MTCNN's O-Net takes 1x48x48x3: compile used to record every 4-D input as NCHW, and
+    `tandoor-agent run --input face.png` then failed ("48 channels") as an internal error."""
+    import cv2
+    import onnxruntime as ort
+
+    m = model([N("Transpose", ["x"], ["t"], perm=[0, 3, 1, 2]), N("Conv", ["t", "w"], ["c"], pads=[1, 1, 1, 1]),
+               N("Relu", ["c"], ["y"])], {"x": [1, 48, 40, 3]}, {"y": [1, 4, 48, 40]}, {"w": _w(4, 3, 3, 3)})
+    man = assert_compiles_and_matches(tmp_path, "nhwc", m, "--mean", "127.5", "--std", "128")
+    assert man["inputs"][0]["layout"] == "NHWC" and man["preprocess"]["layout"] == "NHWC"
+    img = (RNG.uniform(0, 255, (30, 25, 3))).astype(np.uint8)
+    png = tmp_path / "img.png"
+    cv2.imwrite(str(png), img[..., ::-1])  # RGB on disk
+    res = run_cli("tandoor-agent", "run", str(tmp_path / "nhwc.hmod"), "--input", str(png), "--delegate",
+                  "onnxruntime", "--save-outputs", str(tmp_path / "o"), "--json")
+    assert res.returncode == 0, res.stderr
+    x = ((cv2.resize(img, (40, 48), interpolation=cv2.INTER_LINEAR).astype(np.float32) - 127.5) / 128)[None]
+    want = ort.InferenceSession(str(tmp_path / "nhwc.onnx")).run(None, {"x": x})[0]
+    np.testing.assert_allclose(np.load(tmp_path / "o" / "output_0.npy"), want, atol=2e-2)
+
+
+def test_a_model_whose_input_is_no_image_runs_from_an_npy_array(tmp_path):
+    m = model([N("Gemm", ["x", "w"], ["y"], transB=1)], {"x": [1, 16]}, {"y": [1, 5]}, {"w": _w(5, 16)})
+    assert_compiles_and_matches(tmp_path, "vec", m)
+    x = RNG.standard_normal((1, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    res = run_cli("tandoor-agent", "run", str(tmp_path / "vec.hmod"), "--input", str(tmp_path / "x.npy"), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["result"]["kind"] == "classifier"
+
+
+def test_a_bundle_given_where_a_model_is_expected_is_named_so(tmp_path):
+    res, _, out = compile_(tmp_path, "fc", _fully_conv(1, 8, 8), "--no-check")
+    assert res.returncode == 0, res.stderr
+    for cmd in (("compile", str(out), "-o", str(tmp_path / "again.hmod")), ("bench", str(out))):
+        r = run_cli("tandoor", *cmd)
+        assert r.returncode == 2 and "a Tandoor bundle, not an ONNX model" in r.stderr, r.stderr
+        assert [ln for ln in r.stderr.splitlines() if "error" in ln] == [r.stderr.strip().splitlines()[-1]]
+        assert "Traceback" not in r.stderr
