@@ -420,11 +420,18 @@ def test_what_arm_nn_gets_wrong_is_caught_at_load(board, bundles_dir, tmp_path):
         assert_matches(outs[name], reference(bundle), f"{name} caught and run on onnxruntime")
 
 
+#: The board's frame is not the host's: OpenCV 5.0's aarch64 INTER_LINEAR (its KleidiCV HAL) rounds
+#: differently from x86's, by 1 in 24% of the astronaut's 320x320 letterboxed values, and YOLOv8n's
+#: face score moves 0.72031 -> 0.72669 with it, on CpuAcc and on the board's onnxruntime alike; the
+#: model itself matches the host within 1e-3 on one tensor (the real-model test above).
+BOARD_SCORE_TOL = 1e-2
+
+
 def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_dir, tmp_path):
     """The real detectors compiled with their packages' preprocessing and decoders
     (tests/support/detectors.py), run on the board by `tandoor-agent run --input IMG --json` on
     Arm NN's CpuAcc: the boxes in the image's pixels match the package's own code on the host
-    (IoU >= 0.9 one to one, same labels, scores within 1e-3)."""
+    (IoU >= 0.9 one to one, same labels, scores within BOARD_SCORE_TOL)."""
     import cv2
 
     from support import detectors
