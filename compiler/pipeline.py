@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import durable, hmod, media
+from tandoor_contract import durable, hmod, media, probe
 
 from . import codegen, cost, frontend, importer, order_onnx, partition, passes, quantize, report
 from . import profile as profile_mod
@@ -333,8 +333,11 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             # the ONNX rendering refers to the weights blob (external data) instead of copying it
             members[f"orders/{p.symbol}.onnx"] = order_onnx.order_to_onnx(
                 order, blob, external=f"{p.symbol}.bin").SerializeToString()
+            # what the order gives on the probe inputs, for the device to check its Arm NN against
+            members[f"orders/{p.symbol}.probe.npz"] = _probe(order, members[f"orders/{p.symbol}.onnx"], p.symbol, blob)
             entry.update(order=f"orders/{p.symbol}.json", weights=f"orders/{p.symbol}.bin", onnx=f"orders/{p.symbol}.onnx",
-                         onnx_external={f"{p.symbol}.bin": f"orders/{p.symbol}.bin"})
+                         onnx_external={f"{p.symbol}.bin": f"orders/{p.symbol}.bin"},
+                         probe=f"orders/{p.symbol}.probe.npz")
             # The fallback is compiled without its weights: they are passed in at load time, read from
             # the order's blob where the bytes are the same (most are), else from a small params member.
             fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)
@@ -342,6 +345,20 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             fallbacks[p.symbol] = fb_mod
         parts_manifest.append(entry)
     return members, parts_manifest, fallbacks
+
+
+def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
+    """onnxruntime's outputs of the order's ONNX rendering on the probe inputs, sampled
+    (tandoor_contract.probe)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    ext = np.frombuffer(blob, np.uint8)
+    so.add_external_initializers_from_files_in_memory([f"{symbol}.bin"], [ext], [len(blob)])
+    sess = ort.InferenceSession(onnx_bytes, so, providers=["CPUExecutionProvider"])
+    return probe.pack(sess.run([o["name"] for o in order["outputs"]],
+                               dict(zip([i["name"] for i in order["inputs"]], probe.inputs(order)))))
 
 
 def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:

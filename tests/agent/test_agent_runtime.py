@@ -91,9 +91,9 @@ def close(got: np.ndarray, want: np.ndarray) -> tuple[bool, float]:
     return bool(np.allclose(got, want, atol=ATOL, rtol=RTOL)), float(np.abs(got - want).max())
 
 
-def run_json(bundle: Path, tmp: Path, *extra: str) -> tuple[dict, list[np.ndarray], str]:
+def run_json(bundle: Path, tmp: Path, *extra: str, env: dict | None = None) -> tuple[dict, list[np.ndarray], str]:
     outdir = tmp / "outs"
-    res = agent("run", str(bundle), "--json", "--save-outputs", str(outdir), *extra)
+    res = agent("run", str(bundle), "--json", "--save-outputs", str(outdir), *extra, env=env)
     assert res.returncode == 0, res.stderr
     n = len(manifest_of(bundle)["outputs"])
     return json.loads(res.stdout), [np.load(outdir / f"output_{j}.npy") for j in range(n)], res.stderr
@@ -384,6 +384,63 @@ def test_armnn_falls_back_on_a_hand_edited_order(base, tmp_path):
     _check_fallback(result, stderr, outs, bundle, part["symbol"], "{'kind': 'gelu'} is not a valid activation")
     other = [s for s in result["subgraphs"] if s["symbol"] != part["symbol"]]
     assert other and all(s["executor"] == "armnn" and "fallback_reason" not in s for s in other)
+
+
+@needs_armnn
+def test_the_load_time_check_holds_arm_nn_to_the_compilers_probe(base, tmp_path):
+    """Each order carries what onnxruntime gave the compiler on the probe inputs (checked here
+    against onnxruntime run on the order's ONNX rendering by this test); TANDOOR_ARMNN_CHECK=all
+    checks CpuRef too. A correct Arm NN keeps its orders; an order whose recorded values are not
+    what it computes (shifted by one element, as PicoDet's wrong concat on Arm NN 20.08 was) runs on
+    onnxruntime with the reason, while a probe-less bundle is still checked, against this
+    machine's onnxruntime."""
+    import onnxruntime as ort
+
+    from tandoor_contract import probe
+
+    man, parts = manifest_of(base), [p for p in manifest_of(base)["partitions"] if p["delegate"]]
+    assert parts and all(p.get("probe") for p in parts)
+    with zipfile.ZipFile(base) as z:
+        for p in parts:
+            order = json.loads(z.read(p["order"]))
+            so = ort.SessionOptions()
+            blob = np.frombuffer(z.read(p["weights"]), np.uint8)
+            so.add_external_initializers_from_files_in_memory(list(p["onnx_external"]), [blob], [blob.size])
+            sess = ort.InferenceSession(z.read(p["onnx"]), so, providers=["CPUExecutionProvider"])
+            want = sess.run(None, dict(zip([i["name"] for i in order["inputs"]], probe.inputs(order))))
+            recorded = probe.unpack(z.read(p["probe"]))
+            for got, (_, values) in zip(probe.sampled(want, recorded), recorded):
+                np.testing.assert_allclose(values, got, rtol=1e-5, atol=1e-6)
+    check_all = dict(os.environ, TANDOOR_ARMNN_CHECK="all")
+
+    res = agent("run", str(base), "--json", "--delegate", "armnn", env=check_all)
+    assert res.returncode == 0, res.stderr
+    assert [s["executor"] for s in json.loads(res.stdout)["subgraphs"]] == ["armnn"] * len(parts)
+
+    wrong = parts[-1]
+
+    def shift(m, members):
+        recorded = probe.unpack(members[wrong["probe"]])
+        buf = io.BytesIO()
+        arrays = {"version": np.int64(probe.PROBE_VERSION)}
+        for j, (idx, values) in enumerate(recorded):
+            arrays[f"i{j}"], arrays[f"v{j}"] = idx, np.roll(values, 1)
+        np.savez(buf, **arrays)
+        members[wrong["probe"]] = buf.getvalue()
+
+    edited = rewrite(base, tmp_path / "shifted.hmod", shift)
+    result, outs, stderr = run_json(edited, tmp_path / "shifted", "--delegate", "armnn", env=check_all)
+    _check_fallback(result, stderr, outs, edited, wrong["symbol"], f"Arm NN {armnn_ex.api().release} on "
+                    "CpuRef computes this order wrongly (output 0:")
+
+    def no_probes(m, members):
+        for p in m["partitions"]:
+            members.pop(p.pop("probe", None), None)
+
+    old = rewrite(base, tmp_path / "old.hmod", no_probes)
+    res = agent("run", str(old), "--json", "--delegate", "armnn", env=check_all)
+    assert res.returncode == 0, res.stderr
+    assert [s["executor"] for s in json.loads(res.stdout)["subgraphs"]] == ["armnn"] * len(parts)
 
 
 # --- 4. zero-copy --------------------------------------------------------------------------------

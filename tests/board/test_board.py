@@ -322,6 +322,28 @@ def test_agent_on_the_board_maps_no_tvm_compiler(board, bundles_dir):
     assert facts == {"tvm_runtime_mapped": True, "tvm_compiler_mapped": False, "torch_mapped": False}, facts
 
 
+_PROBE_BITS = """
+import hashlib, json, sys
+from tandoor_contract import probe
+order = json.loads(sys.argv[1])
+print(hashlib.sha256(b"".join(a.tobytes() for a in probe.inputs(order))).hexdigest())
+"""
+
+
+def test_the_board_makes_the_probe_inputs_the_compiler_made(board):
+    """The load-time check compares the board's Arm NN with outputs the host recorded for the
+    probe inputs, so the board's numpy (its release, its CPU) must make the same bits as the host's."""
+    import hashlib
+
+    from tandoor_contract import probe
+
+    order = {"inputs": [{"shape": [1, 3, 67, 45]}, {"shape": [1, 1000]}, {"shape": [2, 7, 9, 4]}]}
+    here = hashlib.sha256(b"".join(a.tobytes() for a in probe.inputs(order))).hexdigest()
+    res = board.run([f"{board.venv}/bin/python", "-c", _PROBE_BITS, json.dumps(order)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == here, board.describe
+
+
 def test_the_board_has_the_packages_install_on_board_picks(board):
     """install-on-board.sh, asked on the board itself, names the packages for that distribution;
     they are what the board has, and Arm NN's ABI is the one those packages are built for."""
@@ -371,14 +393,13 @@ def _wild_bundle(name: str, bundles_dir) -> Path:
 
 # (model, Arm NN release) whose order that release computes wrongly on CpuAcc (measured on the
 # emulated boards, by cutting the order op by op against its ONNX rendering in onnxruntime). The
-# executor's load-time check against onnxruntime catches them and leaves the order to onnxruntime.
-# PicoDet's neck: a channel concat after a resize, 90% of its second input's rows shifted; PP-OCRv4
-# det: its FPN's SE blocks off by hundreds on random input (hidden on the golden image by the final
-# sigmoid: 0.0097 there); YOLOX: wrong from its first channel concat on.
+# executor's load-time check against the bundle's probe catches them and leaves the order to
+# onnxruntime. PicoDet's neck: a channel concat after a resize, 90% of its second input's rows
+# shifted; PP-OCRv4 det: its FPN's SE blocks off by hundreds on random input (hidden on the golden
+# image by the final sigmoid: 0.0097 there); YOLOX: wrong from its first channel concat on.
 ARMNN_GETS_WRONG = {("picodet_layout", "20.08"), ("ppocr_det", "20.08"), ("yolox_det", "23.08")}
-# The check costs one onnxruntime run per order at load, minutes under qemu for these models: the
-# emulated boards run with it off (boards.py); the catch test turns it on for CATCH_SHOWN alone.
-CHECK = {"TANDOOR_ARMNN_CHECK": "1"}
+# A caught order then runs on onnxruntime, minutes under qemu for these models: the catch test shows
+# CATCH_SHOWN, the others are left out of the board runs.
 CATCH_SHOWN = {("yolox_det", "23.08")}  # the smallest of the caught orders
 BOARD_ARMNN = {"bookworm": "20.08", "trixie": "23.08"}  # the emulated boards' Arm NN (common.sh)
 
@@ -390,7 +411,8 @@ def _armnn_gets_wrong(board, name: str) -> bool:
 def test_real_models_run_on_cpuacc_and_match_the_reference(board, bundles_dir, tmp_path):
     """Detectors and dense models from the wild (YOLOv8, YOLOX, PicoDet, CenterFace, DBNet) and
     classic CNNs, as the compiler test compiled them: on the board every order on Arm NN, every
-    layer on CpuAcc, outputs within 1e-3 of onnxruntime on the host (the golden output). One board
+    layer on CpuAcc (each passed the load-time check), outputs within 1e-3 of onnxruntime on the
+    host (the golden output). One board
     process runs them all (imports cost ~20 s a process under emulation). The orders this board's
     Arm NN gets wrong are left out: test_what_arm_nn_gets_wrong_is_caught_at_load."""
     from tandoor_zoo import wild
@@ -405,14 +427,14 @@ def test_real_models_run_on_cpuacc_and_match_the_reference(board, bundles_dir, t
 @pytest.mark.ci_may_skip("only the boards whose Arm NN has an order in CATCH_SHOWN run it")
 def test_what_arm_nn_gets_wrong_is_caught_at_load(board, bundles_dir, tmp_path):
     """An order this board's Arm NN computes wrongly (ARMNN_GETS_WRONG) is caught by the executor's
-    load-time check against onnxruntime and runs on onnxruntime, with outputs within 1e-3 of the host
-    reference."""
+    load-time check against the bundle's probe (what onnxruntime gave the compiler) and runs on
+    onnxruntime, with outputs within 1e-3 of the host reference."""
     release = BOARD_ARMNN.get(getattr(board, "name", ""))
     names = [n for n, r in sorted(CATCH_SHOWN) if r == release]
     if not names:
         pytest.skip(f"no caught order is shown on this board (Arm NN {release})")
     bundles = {n: _wild_bundle(n, bundles_dir) for n in names}
-    subgraphs, outs, _ = _run_many(board, bundles, tmp_path, env=CHECK, timeout=2400)
+    subgraphs, outs, _ = _run_many(board, bundles, tmp_path, timeout=2400)
     for name, bundle in bundles.items():
         for sg in subgraphs[name]:
             assert sg["executor"] == "onnxruntime", sg

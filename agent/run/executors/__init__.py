@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandoor_contract import hmod, orders
+from tandoor_contract import hmod, orders, probe
 from tandoor_contract.errors import TandoorError
 
 
@@ -59,31 +59,48 @@ def _build_armnn(ctx: BuildContext):
     if not ok:
         raise Unavailable(why)
     ex = armnn.ArmnnExecutor(ctx.order, ctx.bundle.weights(ctx.symbol), preferred=ctx.armnn_backends)
-    if os.environ.get("TANDOOR_ARMNN_CHECK", "1") != "0" and ex.backend != "CpuRef" and _ort_available()[0]:
+    if _check_wanted(ex.backend, ctx):
         try:
-            _check_against_onnxruntime(ex, ctx, armnn)
+            _check_order(ex, ctx, armnn)
         except BaseException:
             ex.close()
             raise
     return ex
 
 
-def _check_against_onnxruntime(ex, ctx: BuildContext, armnn) -> None:
-    """Run the order once on a seeded input in Arm NN and in onnxruntime (its ONNX rendering); a
-    result that differs means this Arm NN computes the order wrongly here. Both releases do, for
-    some real models' orders whose layers alone are right (20.08: PicoDet's neck, PP-OCRv4 det's
-    FPN; 23.08: YOLOX from its first channel concat on), so ACL results are not trusted unchecked;
-    CpuRef is Arm NN's reference and is not checked. TANDOOR_ARMNN_CHECK=0 skips it (one
-    onnxruntime run per order at load)."""
+def _check_wanted(backend: str, ctx: BuildContext) -> bool:
+    """TANDOOR_ARMNN_CHECK: "1" (the default; any other value too) checks orders on Arm NN's
+    accelerated backends, "0" none, "all" CpuRef too (Arm NN's reference: on request only)."""
+    mode = os.environ.get("TANDOOR_ARMNN_CHECK", "1")
+    if mode == "0" or (backend == "CpuRef" and mode != "all"):
+        return False
+    return bool(ctx.part.get("probe")) or _ort_available()[0]
+
+
+def _check_order(ex, ctx: BuildContext, armnn) -> None:
+    """Run the order once in Arm NN on the probe inputs (tandoor_contract.probe) and compare with
+    what onnxruntime gave the compiler for them (the bundle's probe member), or, in a bundle made
+    before probes, with this machine's onnxruntime on a seeded input. A result that differs means
+    this Arm NN computes the order wrongly here: both releases do, for some real models' orders
+    whose layers alone are right (20.08: PicoDet's neck, PP-OCRv4 det's FPN; 23.08: YOLOX from its
+    first channel concat on), so ACL results are not trusted unchecked."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    xs = [rng.standard_normal(tuple(i["shape"])).astype(np.float32) for i in ctx.order["inputs"]]
-    ref = _build_ort(ctx)
-    try:
-        why = armnn.differs(ex.run(xs), ref.run(xs))
-    finally:
-        getattr(ref, "close", lambda: None)()
+    member = ctx.part.get("probe")
+    if member:
+        try:
+            recorded = probe.unpack(ctx.bundle.read(member))
+            why = armnn.differs(probe.sampled(ex.run(probe.inputs(ctx.order)), recorded), [v for _, v in recorded])
+        except ValueError as e:
+            raise Unavailable(f"the order's probe cannot be checked ({e})") from None
+    else:
+        rng = np.random.default_rng(0)
+        xs = [rng.standard_normal(tuple(i["shape"])).astype(np.float32) for i in ctx.order["inputs"]]
+        ref = _build_ort(ctx)
+        try:
+            why = armnn.differs(ex.run(xs), ref.run(xs))
+        finally:
+            getattr(ref, "close", lambda: None)()
     if why:
         raise Unavailable(f"Arm NN {armnn.api().release} on {ex.backend} computes this order wrongly ({why})")
 

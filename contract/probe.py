@@ -1,0 +1,82 @@
+"""The probe an order is checked with on the device: inputs both halves generate bit for bit, and
+the reference outputs the compiler records for them.
+
+Arm NN computes some real models' orders wrongly on its accelerated backends while their layers
+alone are right (20.08: PicoDet's neck, PP-OCRv4 det's FPN; 23.08: YOLOX from its first channel
+concat on), so the agent does not trust an order on CpuAcc/GpuAcc unchecked. The compiler runs each
+delegated order's ONNX rendering in onnxruntime on :func:`inputs` and stores a sample of what comes
+out (:func:`pack`, the partition entry's ``probe`` member); the agent runs the order on the same
+inputs at load and compares the same elements. No onnxruntime is needed on the device for it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+PROBE_VERSION = 1
+
+#: output elements recorded per output: 64 KiB of values, enough to see a defect that touches
+#: 0.1% of an output (the agent's threshold) ~16 times over; an output this small is kept whole
+SAMPLE = 16384
+
+
+def inputs(order: Mapping) -> list[np.ndarray]:
+    """The order's probe inputs: uniform in [-sqrt 3, sqrt 3] (unit variance), from integer hashing
+    (splitmix64) and exact float steps only, so every machine and numpy release makes the same bits."""
+    out = []
+    for k, spec in enumerate(order["inputs"]):
+        shape = tuple(int(d) for d in spec["shape"])
+        z = np.arange(math.prod(shape), dtype=np.uint64) + np.uint64((k + 1) << 40)
+        z = z * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        u = (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53      # [0, 1), exact
+        out.append(((u * 2.0 - 1.0) * math.sqrt(3.0)).astype(np.float32).reshape(shape))
+    return out
+
+
+def pack(outputs: Sequence[np.ndarray]) -> bytes:
+    """The recorded sample of each output (flat indices, values) as one .npz member."""
+    arrays = {}
+    for j, a in enumerate(outputs):
+        flat = np.asarray(a, np.float32).reshape(-1)
+        if flat.size > SAMPLE:
+            idx = np.sort(np.random.default_rng(j).choice(flat.size, SAMPLE, replace=False)).astype(np.int64)
+        else:
+            idx = np.arange(flat.size, dtype=np.int64)
+        arrays[f"i{j}"], arrays[f"v{j}"] = idx, flat[idx]
+    buf = io.BytesIO()
+    np.savez(buf, version=np.int64(PROBE_VERSION), **arrays)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``pack``'s member back as (flat indices, values) per output; ValueError when it is not one."""
+    try:
+        z = np.load(io.BytesIO(data), allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError("an array, not an .npz archive")
+        with z:
+            version = int(z["version"])
+            n = sum(1 for k in z.files if k[0] == "v" and k[1:].isdigit())
+            recorded = [(z[f"i{j}"], z[f"v{j}"]) for j in range(n)]
+    except Exception as e:  # whatever numpy and zipfile raise for bytes that are no .npz
+        raise ValueError(f"not a probe member ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+    if version != PROBE_VERSION:
+        raise ValueError(f"probe version {version}, this reader knows {PROBE_VERSION}")
+    return recorded
+
+
+def sampled(outputs: Sequence[np.ndarray], recorded: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """The elements of ``outputs`` the probe recorded, in its order (to compare with its values)."""
+    if len(outputs) != len(recorded):
+        raise ValueError(f"{len(outputs)} outputs, the probe recorded {len(recorded)}")
+    try:
+        return [np.asarray(a).reshape(-1)[idx] for a, (idx, _) in zip(outputs, recorded)]
+    except IndexError as e:
+        raise ValueError(f"an output is smaller than the probe recorded ({e})") from None

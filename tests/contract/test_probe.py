@@ -1,0 +1,47 @@
+"""The probe each order is checked with at load (tandoor_contract.probe): inputs both halves make
+alike, and the recorded sample read back as written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandoor_contract import probe
+
+ORDER = {"inputs": [{"name": "a", "shape": [1, 8, 16, 3]}, {"name": "b", "shape": [2, 5]}]}
+
+
+def test_inputs_are_unit_variance_noise_the_same_every_time_and_distinct_per_input():
+    a, b = probe.inputs(ORDER)
+    assert a.shape == (1, 8, 16, 3) and b.shape == (2, 5) and a.dtype == b.dtype == np.float32
+    again = probe.inputs(ORDER)
+    assert a.tobytes() == again[0].tobytes() and b.tobytes() == again[1].tobytes()
+    big = probe.inputs({"inputs": [{"shape": [200000]}]})[0]
+    assert abs(float(big.mean())) < 0.01 and abs(float(big.var()) - 1.0) < 0.01
+    assert float(np.abs(big).max()) <= np.sqrt(3) and len(np.unique(big)) > 190000
+    assert not np.array_equal(a.reshape(-1)[:10], b.reshape(-1))   # input k has its own stream
+
+
+def test_pack_keeps_small_outputs_whole_and_samples_big_ones():
+    small, big = np.arange(12, dtype=np.float32).reshape(3, 4), np.random.default_rng(1).random(100000, np.float32)
+    recorded = probe.unpack(probe.pack([small, big]))
+    assert [len(i) for i, _ in recorded] == [12, probe.SAMPLE]
+    got = probe.sampled([small, big], recorded)
+    for g, (idx, values) in zip(got, recorded):
+        assert np.array_equal(g, values) and np.all(np.diff(idx) > 0)
+    with pytest.raises(ValueError, match="2 outputs, the probe recorded 1"):
+        probe.sampled([small, big], recorded[:1])
+    with pytest.raises(ValueError, match="smaller than the probe recorded"):
+        probe.sampled([small, big[:10]], recorded)
+
+
+def test_a_member_that_is_no_probe_is_refused_in_one_line():
+    for data in (b"not a zip", probe.pack([np.zeros(3, np.float32)])[:40]):
+        with pytest.raises(ValueError, match="not a probe member"):
+            probe.unpack(data)
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, version=np.int64(probe.PROBE_VERSION + 1), i0=np.arange(2), v0=np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match=f"probe version {probe.PROBE_VERSION + 1}"):
+        probe.unpack(buf.getvalue())
