@@ -391,55 +391,57 @@ def _wild_bundle(name: str, bundles_dir) -> Path:
     return compiled(f"wild_{name}", wild.fetch(name), bundles_dir, *pins)
 
 
-# (model, Arm NN release) whose order that release computes wrongly on CpuAcc (measured on the
-# emulated boards, by cutting the order op by op against its ONNX rendering in onnxruntime). The
-# executor's load-time check against the bundle's probe catches them and leaves the order to
-# onnxruntime. PicoDet's neck: a channel concat after a resize, 90% of its second input's rows
-# shifted; PP-OCRv4 det: its FPN's SE blocks off by hundreds on random input (hidden on the golden
-# image by the final sigmoid: 0.0097 there); YOLOX: wrong from its first channel concat on.
-ARMNN_GETS_WRONG = {("picodet_layout", "20.08"), ("ppocr_det", "20.08"), ("yolox_det", "23.08")}
-# A caught order then runs on onnxruntime, minutes under qemu for these models: the catch test shows
-# CATCH_SHOWN, the others are left out of the board runs.
-CATCH_SHOWN = {("yolox_det", "23.08")}  # the smallest of the caught orders
 BOARD_ARMNN = {"bookworm": "20.08", "trixie": "23.08"}  # the emulated boards' Arm NN (common.sh)
-
-
-def _armnn_gets_wrong(board, name: str) -> bool:
-    return (name, BOARD_ARMNN.get(getattr(board, "name", ""))) in ARMNN_GETS_WRONG
 
 
 def test_real_models_run_on_cpuacc_and_match_the_reference(board, bundles_dir, tmp_path):
     """Detectors and dense models from the wild (YOLOv8, YOLOX, PicoDet, CenterFace, DBNet) and
     classic CNNs, as the compiler test compiled them: on the board every order on Arm NN, every
     layer on CpuAcc (each passed the load-time check), outputs within 1e-3 of onnxruntime on the
-    host (the golden output). One board
-    process runs them all (imports cost ~20 s a process under emulation). The orders this board's
-    Arm NN gets wrong are left out: test_what_arm_nn_gets_wrong_is_caught_at_load."""
+    host (the golden output). One board process runs them all (imports cost ~20 s a process under
+    emulation). Three of them need the executor's way around an Arm NN defect (Api in
+    agent/run/executors/armnn.py): PicoDet and PP-OCRv4 det on 20.08 (a depthwise convolution
+    sharing its input), YOLOX on 23.08 (concat inputs written in place)."""
     from tandoor_zoo import wild
 
-    bundles = {n: _wild_bundle(n, bundles_dir) for n in sorted(wild.MODELS) if not _armnn_gets_wrong(board, n)}
+    bundles = {n: _wild_bundle(n, bundles_dir) for n in sorted(wild.MODELS)}
     subgraphs, outs, secs = _run_many(board, bundles, tmp_path)
     failures = _off_cpuacc_or_reference(bundles, subgraphs, outs)
     assert not failures, "\n".join(failures)
     print(f"{len(bundles)} real models on armnn/CpuAcc on {board.describe}: {secs:.0f} s")
 
 
-@pytest.mark.ci_may_skip("only the boards whose Arm NN has an order in CATCH_SHOWN run it")
-def test_what_arm_nn_gets_wrong_is_caught_at_load(board, bundles_dir, tmp_path):
-    """An order this board's Arm NN computes wrongly (ARMNN_GETS_WRONG) is caught by the executor's
-    load-time check against the bundle's probe (what onnxruntime gave the compiler) and runs on
-    onnxruntime, with outputs within 1e-3 of the host reference."""
-    release = BOARD_ARMNN.get(getattr(board, "name", ""))
-    names = [n for n, r in sorted(CATCH_SHOWN) if r == release]
-    if not names:
-        pytest.skip(f"no caught order is shown on this board (Arm NN {release})")
-    bundles = {n: _wild_bundle(n, bundles_dir) for n in names}
-    subgraphs, outs, _ = _run_many(board, bundles, tmp_path, timeout=2400)
-    for name, bundle in bundles.items():
-        for sg in subgraphs[name]:
-            assert sg["executor"] == "onnxruntime", sg
-            assert f"Arm NN {release} on CpuAcc computes this order wrongly" in sg["fallback_reason"], sg
-        assert_matches(outs[name], reference(bundle), f"{name} caught and run on onnxruntime")
+def test_an_order_arm_nn_gets_wrong_is_caught_at_load(board, bundles_dir, tmp_path):
+    """The load-time check on CpuAcc: one order of a real bundle whose probe says other numbers
+    than Arm NN computes (its recorded values shifted by one element, as PicoDet's wrong rows were
+    on 20.08 before the executor avoided that defect) runs on onnxruntime with the reason, the
+    other on CpuAcc, and the outputs still match the host's golden output."""
+    import io
+
+    from support.bundle_edit import rewrite
+    from tandoor_contract import probe
+
+    base = compiled("with_unsupported_middle", zoo.with_unsupported_middle(), bundles_dir)
+    parts = [p for p in manifest_of(base)["partitions"] if p["delegate"]]
+    wrong = parts[-1]
+
+    def shift(m, members):
+        arrays = {"version": np.int64(probe.PROBE_VERSION)}
+        for j, (idx, values) in enumerate(probe.unpack(members[wrong["probe"]])):
+            arrays[f"i{j}"], arrays[f"v{j}"] = idx, np.roll(values, 1)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        members[wrong["probe"]] = buf.getvalue()
+
+    bundle = rewrite(base, tmp_path / "shifted.hmod", shift)
+    subgraphs, outs, _ = _run_many(board, {"shifted": bundle}, tmp_path)
+    by_symbol = {sg["symbol"]: sg for sg in subgraphs["shifted"]}
+    release = BOARD_ARMNN.get(getattr(board, "name", ""), "")
+    assert by_symbol[wrong["symbol"]]["executor"] == "onnxruntime", by_symbol
+    assert f"Arm NN {release} on CpuAcc computes this order wrongly" in by_symbol[wrong["symbol"]]["fallback_reason"]
+    others = [sg for sym, sg in by_symbol.items() if sym != wrong["symbol"]]
+    assert others and all(sg["executor"] == "armnn" and set(sg.get("layers") or {}) == {"CpuAcc"} for sg in others)
+    assert_matches(outs["shifted"], reference(bundle), "the caught order on onnxruntime")
 
 
 #: The board's frame is not the host's: OpenCV 5.0's aarch64 INTER_LINEAR (its KleidiCV HAL) rounds
@@ -461,9 +463,6 @@ def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_d
 
     problems = []
     for name, det in detectors.DETECTORS.items():
-        if _armnn_gets_wrong(board, name):
-            continue  # its order runs on onnxruntime there (test_what_arm_nn_gets_wrong_is_caught_at_load):
-            # under qemu that is minutes of emulated MLAS for boxes the host test already checks
         bundle = detectors.compiled_detector(name, bundles_dir)
         img = det.images[0]
         rgb = detectors.image(img)

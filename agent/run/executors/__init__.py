@@ -81,9 +81,9 @@ def _check_order(ex, ctx: BuildContext, armnn) -> None:
     """Run the order once in Arm NN on the probe inputs (tandoor_contract.probe) and compare with
     what onnxruntime gave the compiler for them (the bundle's probe member), or, in a bundle made
     before probes, with this machine's onnxruntime on a seeded input. A result that differs means
-    this Arm NN computes the order wrongly here: both releases do, for some real models' orders
-    whose layers alone are right (20.08: PicoDet's neck, PP-OCRv4 det's FPN; 23.08: YOLOX from its
-    first channel concat on), so ACL results are not trusted unchecked."""
+    this Arm NN computes the order wrongly here. Both releases did, for real models whose layers
+    alone are right (armnn.Api's depthwise_own_input and concat_by_copy say which and how the
+    builder now avoids them), so ACL results are not trusted unchecked."""
     import numpy as np
 
     member = ctx.part.get("probe")

@@ -56,6 +56,7 @@ from tandoor_contract.errors import TandoorError
 __all__ = ["UnsupportedOrder", "ArmnnExecutor", "available", "backends"]
 
 DEFAULT_PREFERRED = ("CpuAcc", "GpuAcc", "CpuRef")
+SCRATCH_BINDING = 1 << 20   # binding ids of the scratch outputs (Api.concat_by_copy), after the order's
 
 
 
@@ -78,12 +79,21 @@ class Api:
     # the binding has AddTransposeLayer (numpy's transpose, every permutation on CpuAcc, 23.08);
     # without it a transpose is a chain of Permutes NEPermute takes (PERMUTES_2008)
     transpose_layer: bool = False
+    # Arm NN 20.08 on CpuAcc computes a layer wrongly when a depthwise convolution reads the same
+    # tensor (PicoDet: a 1x1 conv beside a 5x5 stride-2 depthwise on one tensor, 93% of its output
+    # wrong; PP-OCRv4 det's FPN; each layer alone is right): such a depthwise reads a copy of its own
+    depthwise_own_input: bool = False
+    # Arm NN 23.08 on CpuAcc computes wrongly after a channel concat whose inputs it writes in place
+    # into the concat's output (sub-tensors; YOLOX from its first concat on, 88% wrong): a second
+    # reader of one input (a scratch network output) makes it concatenate by copying instead
+    concat_by_copy: bool = False
 
 
 APIS: dict[str, Api] = {
-    "22": Api("20.08", weights_as_inputs=False, depthwise_kernel="MCHW", constant_infos=False, hardswish=11),
+    "22": Api("20.08", weights_as_inputs=False, depthwise_kernel="MCHW", constant_infos=False, hardswish=11,
+              depthwise_own_input=True),
     "33": Api("23.08", weights_as_inputs=True, depthwise_kernel="1HWO", constant_infos=True, hardswish=11,
-              transpose_layer=True),
+              transpose_layer=True, concat_by_copy=True),
 }
 # The numpy-style axes of the Permute layers Arm NN 20.08 places on CpuAcc, measured on the bookworm
 # board for shapes without unit dims (leading 1s allow a few more): every other permutation falls to
@@ -403,6 +413,11 @@ class ArmnnExecutor:
         self._blob = weights if weights is not None else b""
         self._weights_table = order.get("weights") or {}
         self._weights_cache: dict[str, np.ndarray] = {}
+        # how many ops (and order outputs) read each tensor (Api.depthwise_own_input)
+        self._readers = Counter(str(n) for op in order.get("ops") or [] for n in op.get("inputs") or [])
+        self._readers.update(str(o.get("name")) for o in order.get("outputs") or [])
+        self._scratch_ids: list[int] = []   # extra network outputs only Arm NN writes (Api.concat_by_copy)
+        self._scratch: list[tuple[int, Any]] = []
 
         tensors = order.get("tensors")
         if not isinstance(tensors, Mapping):
@@ -465,6 +480,7 @@ class ArmnnExecutor:
         counts = Counter(compute or [b for _, _, b in self.layer_backends])
         self.layer_counts = dict(counts)
         self.backend = counts.most_common(1)[0][0] if counts else self.requested_backends[0]
+        self._scratch = [(b, ann.Tensor(rt.GetOutputTensorInfo(net_id, b))) for b in self._scratch_ids]
         self._in_infos = [self._constant(rt.GetInputTensorInfo(net_id, i)) for i in range(len(self.input_names))]
         self._out_infos = [rt.GetOutputTensorInfo(net_id, j) for j in range(len(self.output_names))]
         self._in_sizes = [int(np.prod(s)) for s in self.input_shapes]
@@ -514,6 +530,7 @@ class ArmnnExecutor:
                 t = ann.Tensor(self._out_infos[j])
                 copies.append((out, t))
             out_tensors.append((j, t))
+        out_tensors += self._scratch
         t0 = time.perf_counter_ns()
         self._runtime.EnqueueWorkload(self._net_id, in_tensors, out_tensors)
         self.last_run_ns = time.perf_counter_ns() - t0
@@ -620,6 +637,15 @@ class ArmnnExecutor:
         ins = [self._slot(str(n), where) for n in (op.get("inputs") or [])]
         in_shapes = [self._shapes[str(n)] for n in (op.get("inputs") or [])]
         attrs = op.get("attrs") or {}
+        if (typ == "conv2d" and attrs.get("depthwise") and self._api.depthwise_own_input and ins
+                and self._readers[str(op["inputs"][0])] > 1):
+            ins[0] = self._copy(f"{k}:copy", ins[0], in_shapes[0])
+        if typ == "concat" and self._api.concat_by_copy and len(ins) > 1:
+            # Arm NN writes a concat's inputs in place only when each has no other reader
+            j = min(range(len(ins)), key=lambda i: math.prod(in_shapes[i]))
+            bid = SCRATCH_BINDING + len(self._scratch_ids)
+            ins[j].Connect(self._net.AddOutputLayer(bid, f"{k}:scratch").GetInputSlot(0))
+            self._scratch_ids.append(bid)
         wts = op.get("weights") or {}
         slot = handler(where, f"{k}:{typ}:{out}", ins, in_shapes, self._shapes[out], attrs, wts)
         self._slots[out] = slot
@@ -676,6 +702,15 @@ class ArmnnExecutor:
         else:
             raise UnsupportedOrder(f"{where}: activation kind {kind!r} has no Arm NN equivalent")
         layer = self._net.AddActivationLayer(d, f"{name}:{kind}")
+        slot.Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=shape)
+
+    def _copy(self, name: str, slot, shape):
+        """The tensor copied by an identity activation (a layer with an input of its own)."""
+        ann = self._ann
+        d = ann.ActivationDescriptor()
+        d.m_Function, d.m_A, d.m_B = ann.ActivationFunction_Linear, 1.0, 0.0
+        layer = self._net.AddActivationLayer(d, name)
         slot.Connect(layer.GetInputSlot(0))
         return self._set(layer, shape=shape)
 
