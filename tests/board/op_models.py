@@ -78,6 +78,11 @@ def conv2d() -> Graph:
     g.out(g.op("Sigmoid", g.op("Conv", "x", g.w(4, 8, 3, 3), dilations=[2, 2], pads=[2, 2, 2, 2])))
     g.out(g.op("Tanh", g.op("Conv", "x", g.w(6, 8, 1, 1), g.w(6), strides=[2, 2])))
     g.out(g.op("LeakyRelu", g.op("Conv", "x", g.w(8, 8, 3, 3), g.w(8), pads=[1, 1, 1, 1]), alpha=0.1))
+    # a depthwise 5x5 stride 2 and a 1x1 convolution reading one tensor (PicoDet's neck): Arm NN
+    # 20.08 computes the 1x1 wrongly unless the depthwise reads a copy (Api.depthwise_own_input)
+    p = g.pre(c=16)
+    g.out(g.op("Conv", p, g.w(16, 1, 5, 5), g.w(16), group=16, strides=[2, 2], pads=[2, 2, 2, 2]))
+    g.out(g.op("Conv", p, g.w(8, 16, 1, 1), g.w(8)))
     return g
 
 

@@ -79,9 +79,10 @@ class Api:
     # the binding has AddTransposeLayer (numpy's transpose, every permutation on CpuAcc, 23.08);
     # without it a transpose is a chain of Permutes NEPermute takes (PERMUTES_2008)
     transpose_layer: bool = False
-    # Arm NN 20.08 on CpuAcc computes a layer wrongly when a depthwise convolution reads the same
-    # tensor (PicoDet: a 1x1 conv beside a 5x5 stride-2 depthwise on one tensor, 93% of its output
-    # wrong; PP-OCRv4 det's FPN; each layer alone is right): such a depthwise reads a copy of its own
+    # Arm NN 20.08 on CpuAcc computes a layer wrongly when a 5x5 stride-2 depthwise convolution
+    # reads the same tensor (a 1x1 conv beside it: off by 1.4-10 on random data from 8x8x16 up,
+    # PicoDet's neck, PP-OCRv4 det's FPN; 3x3 or stride 1 measured right; each layer alone is
+    # right): every depthwise whose input has another reader reads a copy of its own
     depthwise_own_input: bool = False
     # Arm NN 23.08 on CpuAcc computes wrongly after a channel concat whose inputs it writes in place
     # into the concat's output (sub-tensors; YOLOX from its first concat on, 88% wrong): a second
