@@ -8,6 +8,7 @@ error family's own code) and an unexpected failure with one line naming where it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -184,15 +185,28 @@ def main() -> None:
 @click.option("--max-det", type=click.IntRange(1), help="Detections per frame at most (default: the decoder's).")
 @click.option("--decoder-option", "decoder_opts", multiple=True, metavar="KEY=JSON",
               help="Another decoder option (repeatable), e.g. strides=[8,16,32] or agnostic=true.")
+@click.option("--int8", is_flag=True,
+              help="Quantize to INT8 first (as tandoor quantize, minmax, per-channel) on --calibration's images, "
+                   "preprocessed by the flags above, and compile the QDQ model.")
+@click.option("--calibration", type=click.Path(path_type=Path),
+              help="With --int8: a directory of images or a video like the deployment's camera sees.")
+@click.option("--images", "calib_count", type=click.IntRange(1), default=None,
+              help="With --int8: calibrate on N images (default: the directory's, 300 frames of a video).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
             build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
-            decoder_opts, quiet):
+            decoder_opts, int8, calibration, calib_count, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
     from tandoor_compiler.pipeline import Options, compile_model
+
+    from .quantize import quantize_with_calibration
+
+    if int8 != (calibration is not None) or (calib_count is not None and not int8):
+        raise CompileError("--int8 and --calibration go together (--images with them): give both to quantize on "
+                           "your images first, or neither")
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
                    layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build,
@@ -200,11 +214,21 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
                    decoder=decoder,
                    decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det})
     console = Console(stderr=True, quiet=quiet, log_path=False)
-    with console.status("compiling") as status:
-        def progress(msg: str) -> None:
-            status.update(msg)
-            console.log(msg)
-        p = compile_model(model, out, opts, progress=progress)
+    with tempfile.TemporaryDirectory(prefix="tandoor-int8-") as tmp:
+        if int8:
+            q = Path(tmp) / f"{Path(model).stem}.int8.onnx"
+            flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
+                         pad_value=pad_value, pixel_range=pixel_range)
+            res, src = quantize_with_calibration(model, q, calibration, calib_count, inputs=inputs, flags=flags,
+                                                 console=console)
+            console.log(f"quantized on {res['samples']} image(s) from {src.describe()}")
+            opts = dataclasses.replace(opts, name=opts.name or Path(model).stem)
+            model = q
+        with console.status("compiling") as status:
+            def progress(msg: str) -> None:
+                status.update(msg)
+                console.log(msg)
+            p = compile_model(model, out, opts, progress=progress)
     kept = [x for x in p["partitions"] if x["delegate"]]
     share = p.get("flops_delegated", 0) / p["flops_total"] if p.get("flops_total") else 0.0
     for note in p.get("notes") or ():

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import click
-
 from tandoor_contract import media
 
 # The options that say how a frame becomes the input: the same names, choices and meaning as
@@ -72,21 +71,46 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
     """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
     with the same --mean/--std/--resize flags."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    console = Console(stderr=True, quiet=quiet, log_path=False)
+    flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
+                 pad_value=pad_value, pixel_range=pixel_range)
+    res, src = quantize_with_calibration(model, out, calibration, count, method=method, per_channel=per_channel,
+                                         activations=activations, inputs=inputs, flags=flags, console=console)
+    q = res["quantized"]
+    console.print(f"[green]wrote[/] {out}: {q.get('QuantizeLinear', 0)} QuantizeLinear / "
+                  f"{q.get('DequantizeLinear', 0)} DequantizeLinear, calibrated on {res['samples']} image(s) from "
+                  f"{src.describe()} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
+                  f"{activations} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
+    given = {k: v for k, v in flags.items() if v not in (None, False, DEFAULTS.get(k))}
+    console.print(f"next: tandoor compile {out} -o {Path(out).with_suffix('.hmod')}"
+                  + "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items()))
+    sys.stdout.flush()
+
+
+def quantize_with_calibration(model, out, calibration, count, *, method: str = "minmax", per_channel: bool = True,
+                              activations: str = "int8", inputs=(), flags: dict, console):
+    """MODEL -> the QDQ model OUT, calibrated on COUNT images of CALIBRATION preprocessed by
+    ``flags`` (compile's preprocessing options), with a progress bar on ``console``: what
+    `tandoor quantize` and `tandoor compile --int8` both run. Returns (quantize_model's summary,
+    the calibration source)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
     from tandoor_compiler.errors import CompileError
     from tandoor_compiler.quantize import quantize_model
 
     from . import calibration as calib
 
-    console = Console(stderr=True, quiet=quiet, log_path=False)
     src = calib.open_source(calibration)
     n = count if count is not None else (DEFAULT_VIDEO_FRAMES if src.is_video else src.size)
     if n > src.size:
         raise CompileError(f"--images {n}: {src.describe()} has only {src.size}; give --images {src.size} or "
                            "more images")
-    flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
-                 pad_value=pad_value, pixel_range=pixel_range)
     chosen: dict = {"calibration": src.describe()}     # recorded in the model; preprocess once it is known
 
     def samples(model_inputs):
@@ -94,7 +118,7 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
             raise CompileError(f"the model has {len(model_inputs)} inputs; calibration from images feeds "
                                "one image input")
         chosen["preprocess"] = preprocess_entry(model_inputs, **flags)
-        spec = {**model_inputs[0].as_dict(), "layout": layout or media.guess_layout(model_inputs[0].shape)}
+        spec = {**model_inputs[0].as_dict(), "layout": flags.get("layout") or media.guess_layout(model_inputs[0].shape)}
         return ([x] for x in calib.tensors(src, calib.pick(src.size, n), spec, chosen["preprocess"]))
 
     with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -105,15 +129,7 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
                              metadata=chosen,
                              progress=lambda done, total: bar.update(task, completed=done),
                              say=lambda m: console.log(m))
-    q = res["quantized"]
-    console.print(f"[green]wrote[/] {out}: {q.get('QuantizeLinear', 0)} QuantizeLinear / "
-                  f"{q.get('DequantizeLinear', 0)} DequantizeLinear, calibrated on {res['samples']} image(s) from "
-                  f"{src.describe()} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
-                  f"{activations} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
-    given = {k: v for k, v in flags.items() if v not in (None, False, DEFAULTS.get(k))}
-    console.print(f"next: tandoor compile {out} -o {Path(out).with_suffix('.hmod')}"
-                  + "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items()))
-    sys.stdout.flush()
+    return res, src
 
 
 DEFAULT_VIDEO_FRAMES = 300

@@ -229,3 +229,28 @@ def test_an_opset_12_model_is_upgraded_so_its_per_channel_qdq_model_is_valid(tmp
     assert sorted(v.size for v in weight_scales(q).values()) == [8, 8, 10]   # still per channel
     c = run_cli("tandoor", "compile", str(out), "-o", str(tmp_path / "op12.hmod"), "-q", "--mean", MEAN, "--std", STD)
     assert c.returncode == 0, c.stderr
+
+
+def test_compile_int8_quantizes_on_the_images_then_compiles_in_one_step(tmp_path, tiny, frames):
+    """`tandoor compile --int8 --calibration DIR` is `tandoor quantize` then `tandoor compile` with
+    the same preprocessing: the bundle is a QDQ one whose recorded quantization names the images,
+    self-checked; --int8 without images (or images without --int8) is refused in one line and
+    nothing is written."""
+    out = tmp_path / "tiny.hmod"
+    res = run_cli("tandoor", "compile", str(tiny), "-o", str(out), "--int8", "--calibration", str(frames["calib"]),
+                  "--images", "12", "--mean", MEAN, "--std", STD, "--measure", "off")
+    assert res.returncode == 0, res.stderr
+    man = manifest_of(out)
+    assert man["quantized"]["format"] == "QDQ" and man["quantized"]["ops"]["QuantizeLinear"] > 0
+    by = man["quantized"]["by"]
+    assert by["source"] == "tiny.onnx" and by["samples"] == 12 and by["calibration"].startswith(str(frames["calib"]))
+    assert man["model"]["name"] == "tiny" and "wrote" in res.stderr and "NOT self-checked" not in res.stderr
+    # the same as the two steps by hand
+    q = tmp_path / "tiny.int8.onnx"
+    assert quantize(tiny, q, frames["calib"], "--images", "12").returncode == 0
+    assert man["preprocess"] == json.loads(onnx.load(str(q)).metadata_props[0].value)["preprocess"]
+    for args in (["--int8"], ["--calibration", str(frames["calib"])], ["--images", "3"]):
+        bad = tmp_path / "bad.hmod"
+        res = run_cli("tandoor", "compile", str(tiny), "-o", str(bad), *args)
+        assert res.returncode == 2 and not bad.exists(), res.stderr
+        assert res.stderr.strip().count("\n") == 0 and "--int8 and --calibration go together" in res.stderr
