@@ -47,13 +47,32 @@ def _one_line(err: BaseException) -> str:
     return text or type(err).__name__
 
 
+DEBUG = False   # tandoor-agent --debug: an internal error prints its traceback too
+
+
 def _fail(err: BaseException) -> None:
+    """Exit with the error's one line (and its exit code); an unexpected error is exit 1, named
+    internal, with the traceback only under --debug. Called from an ``except`` block."""
     code = getattr(err, "exit_code", None)
     msg = _one_line(err)
     if not isinstance(code, int):
         code, msg = 1, f"internal error ({type(err).__name__}): {msg}"
+        if DEBUG:
+            import traceback
+
+            traceback.print_exc()
+        else:
+            msg += " (tandoor-agent --debug ... prints the traceback)"
     click.echo(f"tandoor-agent: error: {msg}", err=True)
     sys.exit(code)
+
+
+def _failpoint(name: str) -> None:
+    """TANDOOR_FAILPOINT=agent:<name> fails there, as compile's stages do (tests of that path)."""
+    import os
+
+    if os.environ.get("TANDOOR_FAILPOINT") == f"agent:{name}":
+        raise RuntimeError(f"failpoint agent:{name}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
@@ -61,9 +80,14 @@ def _fail(err: BaseException) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="Log executor choices and fallbacks.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Run the agent service with this TOML config (same as `serve --config FILE`).")
+@click.option("--debug", is_flag=True, help="On an internal error, print its traceback too (or TANDOOR_DEBUG=1).")
 @click.pass_context
-def main(ctx: click.Context, verbose: bool, config_path: Path | None) -> None:
+def main(ctx: click.Context, verbose: bool, config_path: Path | None, debug: bool) -> None:
     """Tandoor's on-board agent."""
+    global DEBUG
+    import os
+
+    DEBUG = debug or os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     service.main_callback(ctx, config_path)
 
@@ -232,6 +256,7 @@ def _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, i
 
     if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
         raise UsageError_(f"--save-outputs {save_dir} is not a directory")
+    _failpoint("run")
     with hmod.open_bundle(bundle, trusted_keys=keys) as b:
         b.lib_for()  # refuse a bundle without a lib for this machine before anything else
         m = b.manifest

@@ -256,6 +256,21 @@ def test_runtime_error_keeps_its_own_code(base, tmp_path):
     assert res.returncode == 2 and "no such file" in res.stderr
 
 
+def test_an_internal_error_is_one_line_and_debug_adds_its_traceback(base):
+    """An unexpected failure inside `tandoor-agent run` (a failpoint, as compile's stages have) is
+    exit 1 with one line naming it internal and saying how to see more; --debug prints the
+    traceback before that line."""
+    env = dict(os.environ, TANDOOR_FAILPOINT="agent:run")
+    res = agent("run", str(base), env=env)
+    assert res.returncode == 1 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "tandoor-agent: error: internal error (RuntimeError): failpoint agent:run "
+        "(tandoor-agent --debug ... prints the traceback)"]
+    res = agent("--debug", "run", str(base), env=env)
+    assert res.returncode == 1 and res.stderr.startswith("Traceback (most recent call last)")
+    assert res.stderr.strip().splitlines()[-1] == "tandoor-agent: error: internal error (RuntimeError): failpoint agent:run"
+
+
 def test_exit_codes_are_distinct_per_kind():
     codes = {c.__name__: c.exit_code for c in (hmod.NotABundle, hmod.UnsafeMember, hmod.HashMismatch,
                                                hmod.MissingMember, hmod.BadSignature, hmod.UnsignedBundle,
