@@ -24,6 +24,7 @@ lean.runtime_only()
 
 import json  # noqa: E402
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,8 +70,6 @@ def _fail(err: BaseException) -> None:
 
 def _failpoint(name: str) -> None:
     """TANDOOR_FAILPOINT=agent:<name> fails there, as compile's stages do (tests of that path)."""
-    import os
-
     if os.environ.get("TANDOOR_FAILPOINT") == f"agent:{name}":
         raise RuntimeError(f"failpoint agent:{name}")
 
@@ -85,8 +84,6 @@ def _failpoint(name: str) -> None:
 def main(ctx: click.Context, verbose: bool, config_path: Path | None, debug: bool) -> None:
     """Tandoor's on-board agent."""
     global DEBUG
-    import os
-
     DEBUG = debug or os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     service.main_callback(ctx, config_path)

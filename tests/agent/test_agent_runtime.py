@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.bundle_edit import rewrite, stderr_imports
+from support.bundle_edit import rewrite, shift_probe, stderr_imports
 from support.cli import BIN, compiled, manifest_of, run_cli
 from tandoor_contract import hmod
 from tandoor_agent.run.executors import armnn as armnn_ex
@@ -434,16 +434,7 @@ def test_the_load_time_check_holds_arm_nn_to_the_compilers_probe(base, tmp_path)
 
     wrong = parts[-1]
 
-    def shift(m, members):
-        recorded = probe.unpack(members[wrong["probe"]])
-        buf = io.BytesIO()
-        arrays = {"version": np.int64(probe.PROBE_VERSION)}
-        for j, (idx, values) in enumerate(recorded):
-            arrays[f"i{j}"], arrays[f"v{j}"] = idx, np.roll(values, 1)
-        np.savez(buf, **arrays)
-        members[wrong["probe"]] = buf.getvalue()
-
-    edited = rewrite(base, tmp_path / "shifted.hmod", shift)
+    edited = rewrite(base, tmp_path / "shifted.hmod", shift_probe(wrong["probe"]))
     result, outs, stderr = run_json(edited, tmp_path / "shifted", "--delegate", "armnn", env=check_all)
     _check_fallback(result, stderr, outs, edited, wrong["symbol"], f"Arm NN {armnn_ex.api().release} on "
                     "CpuRef computes this order wrongly (output 0:")

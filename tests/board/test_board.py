@@ -416,24 +416,12 @@ def test_an_order_arm_nn_gets_wrong_is_caught_at_load(board, bundles_dir, tmp_pa
     than Arm NN computes (its recorded values shifted by one element, as PicoDet's wrong rows were
     on 20.08 before the executor avoided that defect) runs on onnxruntime with the reason, the
     other on CpuAcc, and the outputs still match the host's golden output."""
-    import io
-
-    from support.bundle_edit import rewrite
-    from tandoor_contract import probe
+    from support.bundle_edit import rewrite, shift_probe
 
     base = compiled("with_unsupported_middle", zoo.with_unsupported_middle(), bundles_dir)
     parts = [p for p in manifest_of(base)["partitions"] if p["delegate"]]
     wrong = parts[-1]
-
-    def shift(m, members):
-        arrays = {"version": np.int64(probe.PROBE_VERSION)}
-        for j, (idx, values) in enumerate(probe.unpack(members[wrong["probe"]])):
-            arrays[f"i{j}"], arrays[f"v{j}"] = idx, np.roll(values, 1)
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
-        members[wrong["probe"]] = buf.getvalue()
-
-    bundle = rewrite(base, tmp_path / "shifted.hmod", shift)
+    bundle = rewrite(base, tmp_path / "shifted.hmod", shift_probe(wrong["probe"]))
     subgraphs, outs, _ = _run_many(board, {"shifted": bundle}, tmp_path)
     by_symbol = {sg["symbol"]: sg for sg in subgraphs["shifted"]}
     release = BOARD_ARMNN.get(getattr(board, "name", ""), "")

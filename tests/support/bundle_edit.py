@@ -43,6 +43,21 @@ def version(v: str):
     return edit
 
 
+def shift_probe(member: str):
+    """An edit that shifts the probe member's recorded values by one element (tandoor_contract.probe):
+    what an Arm NN computing rows in the wrong place looks like to the load-time check."""
+    def edit(man, members):
+        from tandoor_contract import probe
+
+        arrays = {"version": np.int64(probe.PROBE_VERSION)}
+        for j, (idx, values) in enumerate(probe.unpack(members[member])):
+            arrays[f"i{j}"], arrays[f"v{j}"] = idx, np.roll(values, 1)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        members[member] = buf.getvalue()
+    return edit
+
+
 def npy(a: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, a, allow_pickle=False)
