@@ -89,10 +89,13 @@ def _check_ops_importable(model: onnx.ModelProto, path: Path) -> None:
         }
     )
     if unknown:
-        raise CompileError(
-            f"{path.name}: op(s) {', '.join(unknown)} can be run by neither TVM nor ACL; "
-            "replace them in the exported model (or export with standard ONNX ops only)"
-        )
+        standard = all(u.startswith("ai.onnx::") for u in unknown)
+        import tvm
+
+        hint = (f"TVM {tvm.__version__}'s ONNX importer has no converter for them: export the part of the model "
+                "before them (e.g. the CNN backbone) and run the rest elsewhere, or rewrite them as other ops"
+                if standard else "replace them in the exported model (or export with standard ONNX ops only)")
+        raise CompileError(f"{path.name}: op(s) {', '.join(unknown)} can be run by neither TVM nor ACL; {hint}")
 
 
 def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> LoadedModel:
