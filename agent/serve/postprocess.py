@@ -100,7 +100,10 @@ def get(name: str) -> Decoder:
 
 
 def _is_classifier_output(shape) -> bool:
-    return len(shape) == 2 and shape[0] == 1 and shape[1] > 1
+    """One row of scores: (1, N), or (1, N, 1, 1) as a classifier ending in a 1x1 conv and a
+    global pool writes it (SqueezeNet); two axes over 1 are a map, not scores."""
+    rest = [int(d) for d in shape[1:]]
+    return len(shape) >= 2 and shape[0] == 1 and sum(d > 1 for d in rest) == 1 and max(rest) > 1
 
 
 def resolve(name: str | None, manifest: dict) -> str:

@@ -329,6 +329,10 @@ def test_classifier_agrees_with_the_cli_rule_on_random_vectors():
 def test_auto_resolution_and_registry():
     assert post.resolve("auto", {"outputs": [{"name": "y", "shape": [1, 1000]}]}) == "classifier"
     assert post.resolve(None, {"outputs": [{"name": "y", "shape": [1, 84, 8400]}]}) == "raw"
+    # SqueezeNet's scores come out of a 1x1 conv and a global pool: (1, 1000, 1, 1) is a classifier too
+    assert post.resolve(None, {"outputs": [{"name": "y", "shape": [1, 1000, 1, 1]}]}) == "classifier"
+    assert post.resolve(None, {"outputs": [{"name": "y", "shape": [1, 1, 80, 80]}]}) == "raw"
+    assert post.resolve(None, {"outputs": [{"name": "y", "shape": [1, 2, 80, 80]}]}) == "raw"
     assert post.resolve("auto", {"outputs": [{"name": "y", "shape": [1, 84, 8400]}],
                                  "postprocess": {"decoder": "yolov8"}}) == "yolov8"
     assert post.resolve("yolov8", {"outputs": []}) == "yolov8"
