@@ -281,6 +281,8 @@ KEYS: tuple[Key, ...] = (
         "Seconds between retained JPEG snapshots (the frame with its boxes) on <base>/snapshot; 0: only on "
         "request (cmd snapshot)."),
     Key("snapshot.quality", 80, integer(10, 100), "JPEG quality of the snapshots."),
+    Key("capture_dir", "", path(None),
+        "Where the capture command saves camera frames for calibration; empty: <slot_dir>/captures."),
 )
 KEY_BY_NAME = {k.name: k for k in KEYS}
 TABLES = sorted({k.name.rsplit(".", 1)[0] for k in KEYS if "." in k.name})

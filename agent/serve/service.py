@@ -39,6 +39,7 @@ from typing import Any
 import click
 
 from . import config as config_mod
+from .capture import Capture
 from .config import Config, ConfigError
 from tandoor_contract.errors import TandoorError
 from tandoor_contract import durable
@@ -166,6 +167,7 @@ class Service:
         self._pending_swap: tuple[Model, threading.Event] | None = None
         self.swaps = 0
         self.snapshots = None  # snapshot.Snapshots, once the link exists
+        self.capture = None    # capture.Capture while the capture command saves frames
 
     # ----------------------------------------------------------------------------- helpers
     def status(self) -> dict:
@@ -225,6 +227,14 @@ class Service:
                 if result is None:
                     raise ServiceError("no snapshot: no frame processed yet, or the broker is not connected")
                 result["topic"] = self.link.topic["snapshot"]
+            elif cmd == "capture":
+                if self.capture is not None:
+                    raise ServiceError(f"busy: capture {self.capture.id} is running ({len(self.capture.files)} of "
+                                       f"{self.capture.frames} frames); ask again when it has answered")
+                root = Path(self.cfg["capture_dir"] or Path(self.cfg["slot_dir"]) / "captures")
+                self.capture = Capture.start(root, args, req)
+                log.info("capture %s: saving %d frame(s) to %s", self.capture.id, self.capture.frames, self.capture.root)
+                return   # answered when the frames are written (_end_capture)
             elif cmd in ("rollback", "update-status"):
                 if self.updater is None or self.updater.store is None:
                     raise ConfigError(f"{cmd} needs slot_dir (this agent serves an explicit bundle)")
@@ -237,13 +247,30 @@ class Service:
                     return
             else:
                 raise ConfigError(f"unknown command {cmd!r}; commands: ping, get-config, set-config, reload, "
-                                  f"rollback, update-status, snapshot")
+                                  f"rollback, update-status, snapshot, capture")
         except Exception as err:
             msg = " ".join(str(err).split()) or type(err).__name__
             log.warning("command %s refused: %s", cmd, msg)
             self.link.respond(req, ok=False, error=msg)
             return
         self.link.respond(req, ok=True, result=result)
+
+    def _end_capture(self, why: str | None = None) -> None:
+        """Answer the capture request with what it saved (an error when nothing was)."""
+        cap, self.capture = self.capture, None
+        if why and not cap.stopped and len(cap.files) < cap.frames:
+            cap.stopped = why
+        if not cap.files:
+            try:
+                cap.root.rmdir()
+            except OSError:
+                pass
+            log.warning("capture %s saved nothing: %s", cap.id, cap.stopped)
+            self.link.respond(cap.req, ok=False, error=f"capture {cap.id} saved no frame: {cap.stopped}")
+            return
+        log.info("capture %s: %d frame(s) in %s%s", cap.id, len(cap.files), cap.root,
+                 f" (stopped: {cap.stopped})" if cap.stopped else "")
+        self.link.respond(cap.req, ok=True, result=cap.result())
 
     def _reload(self) -> dict:
         """Re-open the bundle (the committed slot may have changed). On failure the running model
@@ -471,6 +498,8 @@ class Service:
             self._watchdog(now)
             if not self.commands.empty():
                 self._drain_commands()
+            if self.capture is not None and self.capture.tick():
+                self._end_capture()
             if now >= self._next_tel:
                 self._publish_telemetry()
                 self._next_tel = max(self._next_tel + cfg["telemetry_period_s"], now)
@@ -507,6 +536,8 @@ class Service:
             if result.outputs.get("kind") == "detector":  # per-class counts for telemetry
                 tel.objects.add([d["label"] for d in result.outputs["detections"]])
             self.snapshots.offer(frame, result)
+            if self.capture is not None and self.capture.offer(frame.image, frame.seq):
+                self._end_capture()
             dropped = src.dropped
             tel.frame(dropped=dropped - last_dropped)
             last_dropped = dropped
@@ -530,6 +561,8 @@ class Service:
 
     def _shutdown(self, reason: str) -> None:
         self.state = "stopped" if reason == "stopped" else "error"
+        if self.capture is not None:
+            self._end_capture(f"the agent stopped ({self._stop_reason or reason})")
         self.notifier.stopping(f"stopping ({self._stop_reason or reason})")
         if self.updater is not None:
             self.updater.stop()

@@ -234,7 +234,7 @@ def service(bundles, image_files):
                        telemetry_period_s=1.0, results_max_rate_hz=100.0, log_level="info",
                        broker={"host": "127.0.0.1", "port": broker.port},
                        camera={"source": f"images:{cam}", "fps": 4.0, "loop": True},
-                       snapshot={"period_s": 1.0, "quality": 85})
+                       snapshot={"period_s": 1.0, "quality": 85}, capture_dir=str(wd / "captures"))
     agent = AgentProcess(["--config", str(cfg)], wd / "agent.log")
     try:
         status_of(rec, "det1", START_TIMEOUT, lambda s: s.get("state") == "running", "running")
@@ -305,6 +305,59 @@ def test_snapshot_on_request_and_counts_in_telemetry(service):
     assert objects["counts"].get("face", 0) >= 1 and objects["max"]["face"] >= 1
     assert objects["mean"]["face"] == pytest.approx(objects["counts"]["face"] / objects["frames"], abs=1e-3)
     assert tel["mqtt"]["snapshots_sent"] >= 1
+
+
+def _ask(rec, cmd: str, args: dict, corr: bytes, timeout: float = 60) -> dict:
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.PUBLISH)
+    props.ResponseTopic = "ops/det1"
+    props.CorrelationData = corr
+    rec.publish("tandoor/det1/cmd", json.dumps({"cmd": cmd, "args": args}), properties=props)
+    return _answer(rec, corr, timeout, f"the {cmd} response")
+
+
+def _answer(rec, corr: bytes, timeout: float, what: str) -> dict:
+    """The response on ops/det1 whose Correlation Data is ``corr``."""
+    return rec.wait_for(lambda m: m.topic == "ops/det1" and getattr(m.properties, "CorrelationData", None) == corr,
+                        timeout, what).json()
+
+
+def test_capture_saves_the_cameras_own_frames_for_calibration(service, image_files):
+    """The capture command writes the next camera frames as lossless PNGs, pixel for pixel what
+    the camera gave (here: the two image files it loops over), answers with the directory when
+    they are written, refuses a second capture while one runs and bad arguments in one line."""
+    rec = service["rec"]
+    rec.subscribe("ops/det1")
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.PUBLISH)
+    props.ResponseTopic = "ops/det1"
+    props.CorrelationData = b"cap-1"
+    rec.publish("tandoor/det1/cmd", json.dumps({"cmd": "capture", "args": {"frames": 4, "interval_s": 0.3}}),
+                properties=props)
+    busy = _ask(rec, "capture", {"frames": 2}, b"cap-2")
+    assert not busy["ok"] and busy["error"].startswith("busy: capture "), busy
+    first = _answer(rec, b"cap-1", 60, "the capture's answer")
+    assert first["ok"], first
+    r = first["result"]
+    d = Path(r["dir"])
+    assert r["frames"] == r["asked"] == 4 and d.parent == service["dir"] / "captures"
+    assert sorted(p.name for p in d.iterdir()) == r["files"] and len(r["files"]) == 4   # no half-written file
+    sources = [np.asarray(Image.open(image_files[n]).convert("RGB")) for n in ("astronaut", "bikes130")]
+    for name in r["files"]:
+        got = np.asarray(Image.open(d / name).convert("RGB"))
+        assert any(got.shape == s.shape and np.array_equal(got, s) for s in sources), name
+    assert r["bytes"] == sum((d / f).stat().st_size for f in r["files"])
+    for args, says in [({"frames": 0}, "frames must be a whole number 1..1000"),
+                       ({"frames": 2, "interval_s": -1}, "interval_s must be 0..3600"),
+                       ({"every": 3}, "capture takes frames, interval_s and timeout_s")]:
+        bad = _ask(rec, "capture", args, f"cap-bad-{len(says)}".encode())
+        assert not bad["ok"] and says in bad["error"] and "\n" not in bad["error"], bad
+    ping = _ask(rec, "ping", {}, b"cap-ping")   # and the agent serves on
+    assert ping["ok"] and ping["result"]["state"] == "running"
 
 
 def test_the_periods_snapshot_is_its_best_frame_the_commands_the_latest():
