@@ -35,6 +35,9 @@ from .errors import CompileError
 METHODS = ("minmax", "entropy", "percentile")
 ACTIVATIONS = ("int8", "uint8")
 MIN_SAMPLES = 10           # fewer gives ranges from a handful of frames; 100-500 is usual
+REPORT_SAMPLES = 4         # calibration samples the per-layer report runs (it keeps every tensor of both models)
+KEEP_CANDIDATES = 8        # the layers losing most, each tried in fp32 to measure what keeping it would buy
+WEAK_OUTPUT_DB = 10.0      # an output this far from fp32 (noise a third of the signal) is worth a warning
 QDQ_OPSET = 13            # per-channel DequantizeLinear (its axis attribute) from opset 13 on
 METADATA_KEY = "tandoor.quantize"   # in the output's metadata_props: how it was made (JSON)
 
@@ -78,6 +81,7 @@ class _Reader:
         self.names, self.total, self.progress = names, total, progress
         self._it = iter(samples)
         self.seen = 0
+        self.kept: list[dict] = []    # REPORT_SAMPLES of them, for the per-layer report
 
     def get_next(self) -> dict | None:
         if self.seen >= self.total:
@@ -89,7 +93,10 @@ class _Reader:
         self.seen += 1
         if self.progress:
             self.progress(self.seen, self.total)
-        return {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in zip(self.names, arrays)}
+        feed = {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in zip(self.names, arrays)}
+        if len(self.kept) < REPORT_SAMPLES and (self.seen - 1) % max(1, self.total // REPORT_SAMPLES) == 0:
+            self.kept.append(feed)     # spread over the source: its first frames may be alike
+        return feed
 
     def __len__(self) -> int:
         return self.total
@@ -101,7 +108,7 @@ class _Reader:
 def quantize_model(model: str | Path, out: str | Path, *,
                    calibration: Callable[[list[frontend.TensorSpec]], Iterable[list[np.ndarray]]], count: int,
                    inputs: list[str] | tuple[str, ...] = (), method: str = "minmax", per_channel: bool = True,
-                   activations: str = "int8", metadata: dict | None = None,
+                   activations: str = "int8", keep_fp32: Iterable[str] = (), metadata: dict | None = None,
                    progress: Callable[[int, int], None] | None = None,
                    say: Callable[[str], None] | None = None) -> dict:
     """Quantize ``model`` (fp32 .onnx) to ``out`` (QDQ INT8 .onnx) and return what was done.
@@ -114,6 +121,8 @@ def quantize_model(model: str | Path, out: str | Path, *,
         method: minmax | entropy | percentile (onnxruntime's calibrators).
         per_channel: per-output-channel weight scales (else one scale per weight tensor).
         activations: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).
+        keep_fp32: node names (of the model after onnxruntime's pre-processing, as the layer report
+            names them) to leave in fp32: onnxruntime's ``nodes_to_exclude``.
         metadata: recorded beside the settings in the output's metadata_props (e.g. preprocessing),
             read once calibration is done (``calibration`` may fill it in).
         progress: ``progress(done, count)`` after each calibration sample.
@@ -148,6 +157,7 @@ def quantize_model(model: str | Path, out: str | Path, *,
         # writes one into an older model as it is, which then no checker or importer accepts
         say(normalise.upgrade_opset(loaded.proto, QDQ_OPSET, loaded.path.name,
                                     "is too old for QDQ quantization; re-export the model with opset >= 13"))
+    _name_nodes(loaded.proto)
     names = [i.name for i in loaded.inputs]
     reader = _Reader(names, calibration(loaded.inputs), count, progress)
     with tempfile.TemporaryDirectory(prefix="tandoor-quantize-") as tmp:
@@ -157,24 +167,129 @@ def quantize_model(model: str | Path, out: str | Path, *,
             quant_pre_process(loaded.proto, str(pre), skip_symbolic_shape=False)
         except Exception:   # symbolic shape inference fails on some exports: the plain onnx one then
             quant_pre_process(loaded.proto, str(pre), skip_symbolic_shape=True)
+        keep = list(dict.fromkeys(keep_fp32))
+        if keep:
+            known = {n.name for n in onnx.load(str(pre)).graph.node if n.name}
+            if unknown := [k for k in keep if k not in known]:
+                raise CompileError(f"--keep-fp32 {unknown[0]}: the model has no node of that name after onnxruntime's "
+                                   "pre-processing; take the names from tandoor quantize's layer report (--report FILE)")
         staged = Path(tmp) / "q.onnx"
-        say(f"calibrating on {count} sample(s) ({method}) and quantizing")
+        say(f"calibrating on {count} sample(s) ({method}) and quantizing"
+            + (f", {len(keep)} node(s) kept in fp32" if keep else ""))
         act = QuantType.QInt8 if activations == "int8" else QuantType.QUInt8
-        with contextlib.redirect_stdout(io.StringIO()):   # its calibrators print their steps
-            quantize_static(str(pre), str(staged), reader, quant_format=QuantFormat.QDQ, per_channel=per_channel,
-                            activation_type=act, weight_type=QuantType.QInt8, calibrate_method=calibrate_method)
+        ranges = Path(tmp) / "ranges.json"     # calibration's result, reused by the report's trials
+
+        def run_quantizer(dst: Path, exclude: list[str], data) -> Path:
+            with contextlib.redirect_stdout(io.StringIO()):   # its calibrators print their steps
+                quantize_static(str(pre), str(dst), data, quant_format=QuantFormat.QDQ, per_channel=per_channel,
+                                activation_type=act, weight_type=QuantType.QInt8, calibrate_method=calibrate_method,
+                                nodes_to_exclude=exclude, calibration_cache_path=str(ranges))
+            return dst
+
+        run_quantizer(staged, keep, reader)
         if reader.seen < count:
             raise CompileError(f"the calibration source gave {reader.seen} sample(s), not the {count} asked for; "
                                "give --images N at most the number of images (or frames) it has")
+        say(f"comparing every layer with fp32 on {len(reader.kept)} calibration sample(s)")
+        report = layer_report(pre, staged, reader.kept, tmp=Path(tmp),
+                              requantize=lambda node: run_quantizer(Path(tmp) / "trial.onnx", keep + [node], None))
         q = onnx.load(str(staged))
     settings = {"method": method, "per_channel": per_channel, "activations": activations, "samples": reader.seen,
-                "source": loaded.path.name, "source_sha256": loaded.sha256, **(metadata or {})}
+                "source": loaded.path.name, "source_sha256": loaded.sha256, **({"keep_fp32": keep} if keep else {}),
+                **(metadata or {})}
     del q.metadata_props[:]
     q.metadata_props.add(key=METADATA_KEY, value=json.dumps(settings, sort_keys=True))
     data = q.SerializeToString()
     durable.atomic_write(out, data)
     return {**settings, "output": str(out), "bytes": len(data), "source_bytes": os.path.getsize(loaded.path),
-            "quantized": quantized_nodes(q), "nodes": len(q.graph.node)}
+            "quantized": quantized_nodes(q), "nodes": len(q.graph.node), "report": report}
+
+
+def layer_report(float_model: Path, qdq_model: Path, samples: list[dict], *, tmp: Path,
+                 requantize: Callable[[str], Path] | None = None) -> dict:
+    """How far each layer of the QDQ model is from the float one on ``samples``, as onnxruntime's
+    qdq_loss_debug measures it (every float tensor of both models saved, matched by name).
+
+    Per node of ``float_model`` (the pre-processed model whose node names ``keep_fp32`` takes):
+    ``sqnr_db``, its output in the QDQ model against the float model's (what has accumulated up to
+    it); ``lost_db``, how much worse that is than its worst input (what this node's quantization
+    added: the ranking, most first); ``qdq_db``, its output before against after its own
+    QuantizeLinear/DequantizeLinear (the rounding of that one tensor; onnxruntime drops a Relu or
+    Clip into the QuantizeLinear's range, so after one it also counts the clipping). With
+    ``requantize(node)`` (the QDQ model made again with ``node`` left in fp32), the first
+    :data:`KEEP_CANDIDATES` also get ``keep_fp32_output_db``/``keep_fp32_gain_db``: the worst
+    output's SQNR with that node in fp32, and its change. Per graph output its SQNR, and ``weak``:
+    the outputs under :data:`WEAK_OUTPUT_DB`."""
+    from onnxruntime.quantization.qdq_loss_debug import (
+        collect_activations,
+        compute_activation_error,
+        compute_signal_to_quantization_noice_ratio,
+        create_activation_matching,
+        modify_model_output_intermediate_tensors,
+    )
+
+    acts = {}
+    for tag, path in (("float", float_model), ("qdq", qdq_model)):
+        aug = tmp / f"{tag}.saving.onnx"
+        modify_model_output_intermediate_tensors(str(path), str(aug))
+        acts[tag] = collect_activations(str(aug), list(samples))
+    errors = compute_activation_error(create_activation_matching(acts["qdq"], acts["float"]))
+    db = {t: e["xmodel_err"] for t, e in errors.items() if "xmodel_err" in e}
+    graph = onnx.load(str(float_model)).graph
+    layers = []
+    for i, n in enumerate(graph.node):
+        outs = [db[o] for o in n.output if o in db]
+        if not outs:
+            continue
+        ins = [db[x] for x in n.input if x in db]
+        out_db = min(outs)
+        lost = max(0.0, min(ins) - out_db) if ins else max(0.0, -out_db)
+        qdq = [errors[o]["qdq_err"] for o in n.output if o in errors]
+        layers.append({"node": n.name or f"({n.op_type} #{i}, unnamed)", "op": n.op_type, "tensor": n.output[0],
+                       "sqnr_db": round(out_db, 2), "lost_db": round(lost, 2),
+                       "qdq_db": round(min(qdq), 2) if qdq else None})
+    layers.sort(key=lambda r: -r["lost_db"])
+    want = {o.name: acts["float"][o.name] for o in graph.output if o.name in acts["float"]}
+
+    def sqnr(got: dict) -> dict[str, float]:
+        return {k: round(compute_signal_to_quantization_noice_ratio(v, got[k]), 2) for k, v in want.items() if k in got}
+
+    outputs = sqnr(acts["qdq"])
+    # What keeping a node in fp32 would buy, measured: the model quantized again without it (on the
+    # ranges calibration found, so in seconds) and run on the samples. A layer that loses SQNR may
+    # only amplify its inputs' noise, which fp32 there does not cure; this says which ones it does.
+    base = min(outputs.values(), default=None)
+    if requantize is not None and base is not None:
+        for r in [r for r in layers if r["lost_db"] > 0 and not r["node"].startswith("(")][:KEEP_CANDIDATES]:
+            got = sqnr(_run(onnx.load(str(requantize(r["node"]))), samples, list(want)))
+            r["keep_fp32_output_db"] = min(got.values())
+            r["keep_fp32_gain_db"] = round(r["keep_fp32_output_db"] - base, 2)
+    return {"samples": len(samples), "layers": layers, "outputs": outputs,
+            "weak": sorted(k for k, v in outputs.items() if v < WEAK_OUTPUT_DB), "weak_below_db": WEAK_OUTPUT_DB}
+
+
+def _run(model: onnx.ModelProto, samples: list[dict], names: list[str]) -> dict[str, list[np.ndarray]]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL   # as qdq_loss_debug runs it
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    runs = [sess.run(names, feed) for feed in samples]
+    return {n: [r[j] for r in runs] for j, n in enumerate(names)}
+
+
+def _name_nodes(model: onnx.ModelProto) -> None:
+    """Give every unnamed node a name (op type and position, so the same model gets the same
+    names on every run): --keep-fp32 and the layer report need one per node (CenterFace's have none)."""
+    taken = {n.name for n in model.graph.node if n.name}
+    for i, n in enumerate(model.graph.node):
+        if not n.name:
+            name = f"{n.op_type}_{i}"
+            while name in taken:
+                name += "_"
+            n.name = name
+            taken.add(name)
 
 
 def settings_of(model: onnx.ModelProto) -> dict | None:

@@ -7,8 +7,13 @@ through the bundle's host lib and through the fp32 model in onnxruntime. Per out
 (10 log10 of signal power over error power, summed over the images, as onnxruntime's
 qdq_loss_debug computes it) and the cosine similarity (mean, worst image). For a classifier
 output, one (1, N) row of scores: top-1 agreement (the same argmax) and top-5 agreement (the
-fp32 top-1 among the bundle's top 5). ``ok`` when 1 - top1_agreement <= max_drop (the accuracy a
-user can lose without labels to measure it) and every output's SQNR >= min_sqnr_db when given.
+fp32 top-1 among the bundle's top 5). For a detector (the manifest names a box decoder), both
+sets of outputs go through the device's own decoder (agent/serve/pipeline.py ``decode``, NMS and
+thresholds as the bundle records them) and each fp32 box is matched to one of the bundle's of the
+same class at IoU >= 0.5, greedily by fp32 score: ``box_agreement`` = matched / fp32 boxes, and
+``boxes_extra`` = the bundle's boxes fp32 did not have. ``ok`` when 1 - top1_agreement (and
+1 - box_agreement) <= max_drop (the accuracy a user can lose without labels to measure it) and
+every output's SQNR >= min_sqnr_db when given.
 """
 
 from __future__ import annotations
@@ -28,6 +33,40 @@ def _is_classifier(shape, manifest: dict) -> bool:
     decoder = (manifest.get("postprocess") or {}).get("decoder")
     dims = [d for d in shape if d != 1]
     return decoder in (None, "classifier") and len(dims) == 1 and dims[0] >= 2
+
+
+MATCH_IOU = 0.5
+
+
+def _is_detector(manifest: dict) -> bool:
+    decoder = (manifest.get("postprocess") or {}).get("decoder")
+    return decoder not in (None, "classifier", "raw")
+
+
+def _iou(a: list[float], b: np.ndarray) -> np.ndarray:
+    """IoU of box ``a`` with each row of ``b`` (x1, y1, x2, y2)."""
+    w = np.clip(np.minimum(a[2], b[:, 2]) - np.maximum(a[0], b[:, 0]), 0, None)
+    h = np.clip(np.minimum(a[3], b[:, 3]) - np.maximum(a[1], b[:, 1]), 0, None)
+    inter = w * h
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1]) - inter
+    return inter / np.maximum(union, 1e-12)
+
+
+def match_boxes(reference: list[dict], got: list[dict], iou: float = MATCH_IOU) -> int:
+    """How many of ``reference``'s detections one of ``got``'s matches (same class, IoU >= ``iou``),
+    each of ``got`` used once, the reference's highest scores first."""
+    free = list(range(len(got)))
+    matched = 0
+    for r in sorted(reference, key=lambda d: -d["score"]):
+        cands = [k for k in free if got[k]["class_id"] == r["class_id"]]
+        if not cands:
+            continue
+        ious = _iou(r["box"], np.array([got[k]["box"] for k in cands], np.float64))
+        best = int(np.argmax(ious))
+        if ious[best] >= iou:
+            matched += 1
+            free.remove(cands[best])
+    return matched
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -51,6 +90,7 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
     import onnxruntime as ort
 
     from tandoor_agent.run.runtime import HybridModule
+    from tandoor_agent.serve.pipeline import decode
     from tandoor_compiler import frontend
     from tandoor_compiler.errors import CompileError
 
@@ -72,6 +112,8 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
         module = HybridModule(bundle, delegate=delegate)
         outs = m["outputs"]
         classifier = [_is_classifier(o["shape"], m) for o in outs]
+        detector = _is_detector(m)
+        boxes = {"fp32": 0, "bundle": 0, "matched": 0}
         signal = [0.0] * len(outs)
         noise = [0.0] * len(outs)
         cos: list[list[float]] = [[] for _ in outs]
@@ -92,6 +134,12 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
                         best = int(np.argmax(w))
                         top1[j] += int(np.argmax(g)) == best
                         top5[j] += best in np.argsort(-g, kind="stable")[:5]
+                if detector:
+                    ref_dets = decode(m, want)["detections"]
+                    our_dets = decode(m, got)["detections"]
+                    boxes["fp32"] += len(ref_dets)
+                    boxes["bundle"] += len(our_dets)
+                    boxes["matched"] += match_boxes(ref_dets, our_dets)
                 n += 1
         finally:
             module.close()
@@ -105,14 +153,22 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
     cls = [r for r in per_output if "top1_agreement" in r]
     top1_agreement = min((r["top1_agreement"] for r in cls), default=None)
     top5_agreement = min((r["top5_agreement"] for r in cls), default=None)
+    box_agreement = (boxes["matched"] / boxes["fp32"] if boxes["fp32"] else None) if detector else None
     failures = []
     if top1_agreement is not None and 1.0 - top1_agreement > max_drop + 1e-12:
         failures.append(f"top-1 agreement {top1_agreement:.1%} is a drop of {1 - top1_agreement:.1%}, "
                         f"past --max-drop {max_drop:.1%}")
+    if box_agreement is not None and 1.0 - box_agreement > max_drop + 1e-12:
+        failures.append(f"box agreement {box_agreement:.1%} ({boxes['matched']} of fp32's {boxes['fp32']} boxes "
+                        f"matched at IoU {MATCH_IOU:g}) is a drop of {1 - box_agreement:.1%}, past --max-drop "
+                        f"{max_drop:.1%}")
     if min_sqnr_db is not None:
         failures += [f"output {r['name']}: SQNR {r['sqnr_db']:.1f} dB < --min-sqnr {min_sqnr_db:g} dB"
                      for r in per_output if r["sqnr_db"] < min_sqnr_db]
     return {"images": n, "source": src.describe(), "delegate": delegate, "top1_agreement": top1_agreement,
-            "top5_agreement": top5_agreement, "sqnr_db": {r["name"]: r["sqnr_db"] for r in per_output},
+            "top5_agreement": top5_agreement, "box_agreement": box_agreement,
+            **({"boxes_fp32": boxes["fp32"], "boxes_bundle": boxes["bundle"], "boxes_matched": boxes["matched"],
+                "boxes_extra": boxes["bundle"] - boxes["matched"]} if detector else {}),
+            "sqnr_db": {r["name"]: r["sqnr_db"] for r in per_output},
             "outputs": per_output, "max_drop": max_drop, "min_sqnr_db": min_sqnr_db, "ok": not failures,
             "failures": failures, "quantized": bool(m.get("quantized"))}

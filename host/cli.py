@@ -23,7 +23,7 @@ from tandoor_compiler.errors import CompileError
 from tandoor_contract import hmod, media, orders
 from tandoor_contract.errors import TandoorError
 
-from .quantize import accuracy_options, quantize, verify_on_images
+from .quantize import accuracy_options, keep_fp32_option, quantize, verify_on_images
 
 DEBUG = os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
 _native_log: Path | None = None     # where fd 2 goes while a command runs (without --debug)
@@ -192,11 +192,12 @@ def main() -> None:
               help="With --int8: a directory of images or a video like the deployment's camera sees.")
 @click.option("--images", "calib_count", type=click.IntRange(1), default=None,
               help="With --int8: calibrate on N images (default: the directory's, 300 frames of a video).")
+@keep_fp32_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
             build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
-            decoder_opts, int8, calibration, calib_count, quiet):
+            decoder_opts, int8, calibration, calib_count, keep_fp32, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
@@ -204,8 +205,8 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
 
     from .quantize import quantize_with_calibration
 
-    if int8 != (calibration is not None) or (calib_count is not None and not int8):
-        raise CompileError("--int8 and --calibration go together (--images with them): give both to quantize on "
+    if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32) and not int8):
+        raise CompileError("--int8 and --calibration go together (--images and --keep-fp32 with them): give both to quantize on "
                            "your images first, or neither")
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
@@ -220,7 +221,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                          pad_value=pad_value, pixel_range=pixel_range)
             res, src = quantize_with_calibration(model, q, calibration, calib_count, inputs=inputs, flags=flags,
-                                                 console=console)
+                                                 keep_fp32=keep_fp32, console=console)
             console.log(f"quantized on {res['samples']} image(s) from {src.describe()}")
             opts = dataclasses.replace(opts, name=opts.name or Path(model).stem)
             model = q

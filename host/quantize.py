@@ -6,8 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import json
+
 import click
-from tandoor_contract import media
+from tandoor_compiler.errors import CompileError
+from tandoor_contract import durable, media
 
 # The options that say how a frame becomes the input: the same names, choices and meaning as
 # `tandoor compile`'s, so that one set of flags describes the model to both commands.
@@ -32,6 +35,11 @@ def preprocess_options(f):
     for opt in reversed(PREPROCESS_OPTIONS):
         f = opt(f)
     return f
+
+
+def keep_fp32_option(f):
+    return click.option("--keep-fp32", "keep_fp32", multiple=True, metavar="NODE",
+                        help="Leave this node in fp32 (repeatable): the layer report names the nodes that lose most.")(f)
 
 
 def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range) -> dict | None:
@@ -63,11 +71,14 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
               help="Activation type: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).")
 @click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224",
               help="Pin an input's shape (repeatable), as tandoor compile --input.")
+@keep_fp32_option
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the per-layer report (every layer's SQNR against fp32) to this JSON file.")
 @preprocess_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @click.option("--debug", is_flag=True, hidden=True)
-def quantize(model, out, calibration, count, method, per_channel, activations, inputs, mean, std, layout, bgr,
-             resize, letterbox_align, pad_value, pixel_range, quiet, debug):
+def quantize(model, out, calibration, count, method, per_channel, activations, inputs, keep_fp32, report_path,
+             mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range, quiet, debug):
     """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
     with the same --mean/--std/--resize flags."""
     from rich.console import Console
@@ -75,21 +86,59 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
     console = Console(stderr=True, quiet=quiet, log_path=False)
     flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                  pad_value=pad_value, pixel_range=pixel_range)
+    if report_path is not None and not report_path.parent.is_dir():
+        raise CompileError(f"--report {report_path}: directory {report_path.parent} does not exist")
     res, src = quantize_with_calibration(model, out, calibration, count, method=method, per_channel=per_channel,
-                                         activations=activations, inputs=inputs, flags=flags, console=console)
+                                         activations=activations, inputs=inputs, keep_fp32=keep_fp32, flags=flags,
+                                         console=console)
+    if report_path is not None:
+        durable.atomic_write(report_path, (json.dumps(res["report"], indent=2) + "\n").encode())
     q = res["quantized"]
     console.print(f"[green]wrote[/] {out}: {q.get('QuantizeLinear', 0)} QuantizeLinear / "
                   f"{q.get('DequantizeLinear', 0)} DequantizeLinear, calibrated on {res['samples']} image(s) from "
                   f"{src.describe()} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
                   f"{activations} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
-    given = {k: v for k, v in flags.items() if v not in (None, False, DEFAULTS.get(k))}
+    # `is`, not `in`: --pad-value 0 equals False and would be dropped
+    given = {k: v for k, v in flags.items() if v is not None and v is not False and v != DEFAULTS.get(k)}
+    if report_path is not None:
+        console.print(f"wrote the per-layer report to {report_path}")
     console.print(f"next: tandoor compile {out} -o {Path(out).with_suffix('.hmod')}"
                   + "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items()))
     sys.stdout.flush()
 
 
+def print_report(report: dict, console, *, worst: int = 5) -> None:
+    """The layers that lost most against fp32 and each weak output, a line each (the warnings
+    even with --quiet: a silently wrong output is what they are for)."""
+    from rich.console import Console
+
+    warn = console if not console.quiet else Console(stderr=True, log_path=False)
+    layers = [r for r in report["layers"] if r["lost_db"] > 0][:worst]
+    outs = ", ".join(f"{k} {v:.1f} dB" for k, v in report["outputs"].items())
+    if layers:
+        console.print(f"SQNR against fp32 on {report['samples']} calibration image(s): {outs}; the layers that lose "
+                      "most, and what keeping each in fp32 (--keep-fp32 NODE) measured at the worst output:")
+        for r in layers:
+            keep = ("" if "keep_fp32_gain_db" not in r else ", in fp32 exact" if r["keep_fp32_output_db"] >= EXACT_DB
+                    else f", in fp32 {r['keep_fp32_gain_db']:+.1f} dB")
+            console.print(f"  {r['node']} ({r['op']}): {r['sqnr_db']:.1f} dB, {r['lost_db']:.1f} dB lost here{keep}")
+        gains = [r["keep_fp32_gain_db"] for r in report["layers"] if "keep_fp32_gain_db" in r]
+        if gains and max(gains) < 1.0:
+            console.print("  no one layer in fp32 gains 1 dB: the error is spread over the network (more calibration "
+                          "images, or --method percentile/entropy, may help more)")
+    tried = [r for r in report["layers"] if r.get("keep_fp32_gain_db", 0) >= 1.0]
+    best = max(tried, key=lambda r: r["keep_fp32_gain_db"], default=None)
+    fix = (f"--keep-fp32 {best['node']} measured {best['keep_fp32_output_db']:.1f} dB" if best else
+           "no one layer in fp32 fixes it: try --method entropy or percentile, or calibrate on images more like "
+           "the deployment's")
+    for name in report["weak"]:
+        warn.print(f"[yellow]warning[/] output {name} is far from fp32 on {report['samples']} calibration image(s): "
+                   f"SQNR {report['outputs'][name]:.1f} dB (< {report['weak_below_db']:g}); {fix}; check the accuracy "
+                   "on other images with tandoor verify BUNDLE --reference FP32.onnx --images DIR")
+
+
 def quantize_with_calibration(model, out, calibration, count, *, method: str = "minmax", per_channel: bool = True,
-                              activations: str = "int8", inputs=(), flags: dict, console):
+                              activations: str = "int8", inputs=(), keep_fp32=(), flags: dict, console):
     """MODEL -> the QDQ model OUT, calibrated on COUNT images of CALIBRATION preprocessed by
     ``flags`` (compile's preprocessing options), with a progress bar on ``console``: what
     `tandoor quantize` and `tandoor compile --int8` both run. Returns (quantize_model's summary,
@@ -101,7 +150,6 @@ def quantize_with_calibration(model, out, calibration, count, *, method: str = "
         TextColumn,
         TimeRemainingColumn,
     )
-    from tandoor_compiler.errors import CompileError
     from tandoor_compiler.quantize import quantize_model
 
     from . import calibration as calib
@@ -125,14 +173,16 @@ def quantize_with_calibration(model, out, calibration, count, *, method: str = "
                   console=console, transient=True) as bar:
         task = bar.add_task("calibrating", total=n)
         res = quantize_model(model, out, calibration=samples, count=n, inputs=inputs, method=method,
-                             per_channel=per_channel, activations=activations,
+                             per_channel=per_channel, activations=activations, keep_fp32=keep_fp32,
                              metadata=chosen,
                              progress=lambda done, total: bar.update(task, completed=done),
                              say=lambda m: console.log(m))
+    print_report(res["report"], console)
     return res, src
 
 
 DEFAULT_VIDEO_FRAMES = 300
+EXACT_DB = 120.0    # float32 itself resolves ~140 dB: above this the output is fp32's
 DEFAULTS = {o.name: o.default for o in (opt(lambda: None).__click_params__[0] for opt in PREPROCESS_OPTIONS)}
 
 
@@ -172,6 +222,11 @@ def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, mi
                      if "top1_agreement" in o else "")
             click.echo(f"  {o['name']}: SQNR {o['sqnr_db']:.1f} dB, cosine mean {o['cosine_mean']:.4f} "
                        f"(worst {o['cosine_min']:.4f}){agree}")
+        if res.get("box_agreement") is not None:
+            click.echo(f"  boxes: {res['boxes_matched']} of fp32's {res['boxes_fp32']} matched at IoU 0.5 "
+                       f"(box agreement {res['box_agreement']:.1%}), {res['boxes_extra']} the fp32 model did not find")
+        elif "boxes_fp32" in res:
+            click.echo("  boxes: the fp32 model found none on these images: box agreement is not measured")
         for f in res["failures"]:
             click.echo(f"  FAIL {f}")
         click.echo(f"{'PASS' if res['ok'] else 'FAIL'}: {res['images']} image(s) from {res['source']}, "

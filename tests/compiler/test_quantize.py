@@ -254,3 +254,67 @@ def test_compile_int8_quantizes_on_the_images_then_compiles_in_one_step(tmp_path
         res = run_cli("tandoor", "compile", str(tiny), "-o", str(bad), *args)
         assert res.returncode == 2 and not bad.exists(), res.stderr
         assert res.stderr.strip().count("\n") == 0 and "--int8 and --calibration go together" in res.stderr
+
+
+def flat_classifier() -> onnx.ModelProto:
+    """tiny_cnn's body with a 1000-class head whose logits barely move, then Softmax: every
+    probability near 0.001, under half of the 1/256 step onnxruntime gives a Softmax's int8 output,
+    so INT8 rounds the whole output to 0 (onnx's light_squeezenet.onnx did exactly this)."""
+    m = tiny_cnn()
+    g = m.graph
+    for i, n in enumerate(g.node):
+        n.name = f"{n.op_type.lower()}{i}"
+    wf = next(i for i in g.initializer if i.name == "wf")
+    wf.CopyFrom(numpy_helper.from_array((RNG.standard_normal((1000, 8)) * 1e-3).astype(np.float32), "wf"))
+    bf = next(i for i in g.initializer if i.name == "bf")
+    bf.CopyFrom(numpy_helper.from_array(np.zeros(1000, np.float32), "bf"))
+    g.node.append(helper.make_node("Softmax", ["logits"], ["prob"], name="softmax", axis=1))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("prob", TensorProto.FLOAT, [1, 1000]))
+    return m
+
+
+def test_the_layer_report_finds_the_layer_int8_breaks_and_keep_fp32_mends_it(tmp_path, frames):
+    """The per-layer report (SQNR of every layer against fp32, onnxruntime's qdq_loss_debug) warns
+    of an output INT8 has flattened, even with -q, and measures that keeping the Softmax in fp32
+    mends it; --keep-fp32 softmax does, by onnxruntime's own run of both files; an unknown node is
+    refused in one line and nothing is written."""
+    src = tmp_path / "flat.onnx"
+    onnx.save(flat_classifier(), str(src))
+    out, report = tmp_path / "flat.int8.onnx", tmp_path / "report.json"
+    res = quantize(src, out, frames["calib"], "--images", "12", "--report", str(report))
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(report.read_text())
+    assert rep["samples"] == 4 and rep["weak"] == ["prob"] and rep["outputs"]["prob"] < 3.0
+    tried = [r for r in rep["layers"] if "keep_fp32_gain_db" in r]
+    best = max(tried, key=lambda r: r["keep_fp32_gain_db"])
+    assert best["node"] == "softmax" and best["keep_fp32_output_db"] > 60, tried
+    warning = " ".join(res.stderr.split())
+    assert "output prob is far from fp32" in warning and "--keep-fp32 softmax" in warning, res.stderr
+    x = np.stack([np.full((3, 64, 64), v, np.float32) for v in (-1.0,)])   # any input: the logits stay flat
+    ref = _run(src, x)
+    assert np.abs(_run(out, x)).max() == 0.0 and ref.min() > 5e-4      # what INT8 made of it
+    kept = tmp_path / "kept.int8.onnx"
+    res = quantize(src, kept, frames["calib"], "--images", "12", "--keep-fp32", "softmax", "--report", str(report))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(report.read_text())["outputs"]["prob"] > 40
+    assert np.abs(_run(kept, x) - ref).max() < 1e-5
+    settings = json.loads(onnx.load(str(kept)).metadata_props[0].value)
+    assert settings["keep_fp32"] == ["softmax"]
+    bad = tmp_path / "bad.int8.onnx"
+    res = quantize(src, bad, frames["calib"], "--images", "12", "--keep-fp32", "nosuchnode")
+    assert res.returncode == 2 and not bad.exists(), res.stderr
+    line = res.stderr.strip().splitlines()
+    assert len(line) == 1 and "--keep-fp32 nosuchnode" in line[0] and "layer report" in line[0]
+
+
+def test_the_next_command_carries_every_preprocessing_flag_given(tmp_path, tiny, frames):
+    """quantize prints the compile command to run next with the same preprocessing; --pad-value 0
+    (equal to False) was left out of it, so the bundle padded with grey 114 instead of black."""
+    out = tmp_path / "lb.int8.onnx"
+    res = run_cli("tandoor", "quantize", str(tiny), "--calibration", str(frames["calib"]), "--images", "10",
+                  "-o", str(out), "--resize", "letterbox", "--pad-value", "0", "--pixel-range", "0-255")
+    assert res.returncode == 0, res.stderr
+    nxt = " ".join(res.stderr.split()).split("next: ", 1)[1]
+    assert "--resize letterbox" in nxt and "--pad-value 0" in nxt and "--pixel-range 0-255" in nxt, nxt
+    assert json.loads(onnx.load(str(out)).metadata_props[0].value)["preprocess"]["pad_value"] == 0

