@@ -21,7 +21,7 @@ keeps TVM's default loops, so correctness never depends on these rules matching.
 
 Threads are the runtime's business, not the library's: TVM's pool uses TVM_NUM_THREADS and counts
 1 on a 2-vCPU VM when it is unset, and bound workers stall under load (TVM_BIND_THREADS=0 helps);
-tandoor_agent.run.board.configure_tvm_threads() sets both (and keeps idle workers from spinning)
+tandoor_agent.run.board.configure_tvm_threads() sets both (and lets idle workers spin only when the cores are not shared)
 before TVM's pool starts.
 """
 

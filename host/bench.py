@@ -37,6 +37,7 @@ benchmarked only where an accelerated backend (CpuAcc/GpuAcc) exists, or when as
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import tempfile
 import time
@@ -401,7 +402,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
             "delegated_subgraphs": sum(1 for p in hyb_manifest["partitions"] if p["delegate"]),
             "ops_delegated": hyb_manifest["ops_delegated"], "ops_total": hyb_manifest["ops_total"],
             "choice_executors": [s["executor"] for s in breakdown["choice"]["subgraphs"]],
-            "threads": {**threads, "onnxruntime": n_threads},
+            "threads": {**threads, "onnxruntime": n_threads, "load_1min": round(os.getloadavg()[0], 2)},
             "host_target": host, "versions": {"tvm": tvm.__version__, "onnxruntime": onnxruntime.__version__},
         },
     }
@@ -458,7 +459,9 @@ def print_table(res: dict) -> None:
             f"largest single tensor {m['largest_tensor_mb']:.1f} MB)")
     for e, why in d["skipped"].items():
         c.print(f"[dim]skipped {e}: {why}[/]")
-    c.print(f"[dim]threads: TVM {d['threads']['TVM_NUM_THREADS']} (bind {d['threads']['TVM_BIND_THREADS']}), "
+    idle = "spin" if d["threads"].get("TVM_THREAD_POOL_SPIN_COUNT", "0") != "0" else "sleep"
+    c.print(f"[dim]threads: TVM {d['threads']['TVM_NUM_THREADS']} (bind {d['threads']['TVM_BIND_THREADS']}, "
+            f"idle workers {idle}: TVM_THREAD_POOL_SPIN_COUNT={d['threads'].get('TVM_THREAD_POOL_SPIN_COUNT')}), "
             f"onnxruntime {d['threads']['onnxruntime']}; hybrid: {d['delegated_subgraphs']} subgraph(s), "
             f"{d['ops_delegated']}/{d['ops_total']} ops delegated (policy {d['policy']})[/]")
     if "kernels" in res:

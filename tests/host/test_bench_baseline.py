@@ -29,7 +29,7 @@ def test_the_baseline_is_the_better_onnxruntime_configuration_at_tvms_thread_cou
     assert res["onnxruntime_ms"] == min(default, nospin)
     assert res["onnxruntime_baseline"] == ("default" if default <= nospin else "no spinning")
     assert d["threads"]["onnxruntime"] == int(d["threads"]["TVM_NUM_THREADS"]) == 1
-    assert d["threads"]["TVM_THREAD_POOL_SPIN_COUNT"] == "0"
+    assert d["threads"]["TVM_THREAD_POOL_SPIN_COUNT"] in ("0", "300000")   # by the load (agent/run/board.py)
     ort = res["onnxruntime_ms"]
     assert res["ratio_tvm_vs_ort"] == pytest.approx(res["tvm_ms"] / ort, rel=2e-3, abs=2e-3)
     assert res["ratio_choice_vs_ort"] == pytest.approx(res["choice_ms"] / ort, rel=2e-3, abs=2e-3)
@@ -79,3 +79,16 @@ def test_best_run_ratios_are_the_same_arithmetic_on_each_paths_fastest_run(res):
     assert bst["ratio_tvm_vs_ort"] == pytest.approx(sp["tvm"]["min_ms"] / ort, rel=2e-3, abs=2e-3)
     fixed = min(sp["tvm"]["min_ms"], sp["all-delegated"]["min_ms"])
     assert bst["ratio_choice_vs_best"] == pytest.approx(sp["choice"]["min_ms"] / fixed, rel=2e-3, abs=2e-3)
+
+
+def test_idle_tvm_workers_spin_on_cores_of_their_own_and_sleep_on_shared_ones(monkeypatch):
+    from tandoor_agent.run import board
+
+    assert board.spin_count(2, load=0.4) == board.SPINNING == "300000"     # TVM's own default
+    assert board.spin_count(2, load=1.0) == board.spin_count(1, load=0.5) == board.SLEEPING == "0"
+    monkeypatch.setenv("TVM_NUM_THREADS", "2")
+    monkeypatch.setenv("TVM_THREAD_POOL_SPIN_COUNT", "1234")                # the user's choice stands
+    assert board.configure_tvm_threads()["TVM_THREAD_POOL_SPIN_COUNT"] == "1234"
+    monkeypatch.delenv("TVM_THREAD_POOL_SPIN_COUNT")
+    monkeypatch.setattr(board.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    assert board.configure_tvm_threads()["TVM_THREAD_POOL_SPIN_COUNT"] == "0"
