@@ -77,11 +77,11 @@ class _Reader:
     calibrator consumes each (its progress is this progress: one inference per sample)."""
 
     def __init__(self, names: list[str], samples: Iterable[list[np.ndarray]], total: int,
-                 progress: Callable[[int, int], None] | None) -> None:
-        self.names, self.total, self.progress = names, total, progress
+                 progress: Callable[[int, int], None] | None, keep: int = REPORT_SAMPLES) -> None:
+        self.names, self.total, self.progress, self.keep = names, total, progress, keep
         self._it = iter(samples)
         self.seen = 0
-        self.kept: list[dict] = []    # REPORT_SAMPLES of them, for the per-layer report
+        self.kept: list[dict] = []    # ``keep`` of them, for the per-layer report
 
     def get_next(self) -> dict | None:
         if self.seen >= self.total:
@@ -94,7 +94,7 @@ class _Reader:
         if self.progress:
             self.progress(self.seen, self.total)
         feed = {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in zip(self.names, arrays)}
-        if len(self.kept) < REPORT_SAMPLES and (self.seen - 1) % max(1, self.total // REPORT_SAMPLES) == 0:
+        if len(self.kept) < self.keep and (self.seen - 1) % max(1, self.total // self.keep) == 0:
             self.kept.append(feed)     # spread over the source: its first frames may be alike
         return feed
 
@@ -108,7 +108,8 @@ class _Reader:
 def quantize_model(model: str | Path, out: str | Path, *,
                    calibration: Callable[[list[frontend.TensorSpec]], Iterable[list[np.ndarray]]], count: int,
                    inputs: list[str] | tuple[str, ...] = (), method: str = "minmax", per_channel: bool = True,
-                   activations: str = "int8", keep_fp32: Iterable[str] = (), metadata: dict | None = None,
+                   activations: str = "int8", keep_fp32: Iterable[str] = (), report_samples: int = REPORT_SAMPLES,
+                   metadata: dict | None = None,
                    progress: Callable[[int, int], None] | None = None,
                    say: Callable[[str], None] | None = None) -> dict:
     """Quantize ``model`` (fp32 .onnx) to ``out`` (QDQ INT8 .onnx) and return what was done.
@@ -123,6 +124,8 @@ def quantize_model(model: str | Path, out: str | Path, *,
         activations: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).
         keep_fp32: node names (of the model after onnxruntime's pre-processing, as the layer report
             names them) to leave in fp32: onnxruntime's ``nodes_to_exclude``.
+        report_samples: calibration samples (spread over them) the per-layer report compares on;
+            more is steadier and costs memory (every tensor of both models, per sample).
         metadata: recorded beside the settings in the output's metadata_props (e.g. preprocessing),
             read once calibration is done (``calibration`` may fill it in).
         progress: ``progress(done, count)`` after each calibration sample.
@@ -159,7 +162,9 @@ def quantize_model(model: str | Path, out: str | Path, *,
                                     "is too old for QDQ quantization; re-export the model with opset >= 13"))
     _name_nodes(loaded.proto)
     names = [i.name for i in loaded.inputs]
-    reader = _Reader(names, calibration(loaded.inputs), count, progress)
+    if not 1 <= report_samples <= count:
+        raise CompileError(f"--report-images {report_samples}: give 1 to the {count} calibration image(s)")
+    reader = _Reader(names, calibration(loaded.inputs), count, progress, keep=report_samples)
     with tempfile.TemporaryDirectory(prefix="tandoor-quantize-") as tmp:
         pre = Path(tmp) / "pre.onnx"
         say("onnxruntime quantization pre-processing (shape inference, graph optimisation)")

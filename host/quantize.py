@@ -74,11 +74,13 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
 @keep_fp32_option
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the per-layer report (every layer's SQNR against fp32) to this JSON file.")
+@click.option("--report-images", "report_samples", type=click.IntRange(1), default=4, show_default=True,
+              help="Calibration images (spread over them) the layer report compares on; more is steadier.")
 @preprocess_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @click.option("--debug", is_flag=True, hidden=True)
 def quantize(model, out, calibration, count, method, per_channel, activations, inputs, keep_fp32, report_path,
-             mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range, quiet, debug):
+             report_samples, mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range, quiet, debug):
     """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
     with the same --mean/--std/--resize flags."""
     from rich.console import Console
@@ -90,7 +92,7 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
         raise CompileError(f"--report {report_path}: directory {report_path.parent} does not exist")
     res, src = quantize_with_calibration(model, out, calibration, count, method=method, per_channel=per_channel,
                                          activations=activations, inputs=inputs, keep_fp32=keep_fp32, flags=flags,
-                                         console=console)
+                                         report_samples=report_samples, console=console)
     if report_path is not None:
         durable.atomic_write(report_path, (json.dumps(res["report"], indent=2) + "\n").encode())
     q = res["quantized"]
@@ -138,7 +140,8 @@ def print_report(report: dict, console, *, worst: int = 5) -> None:
 
 
 def quantize_with_calibration(model, out, calibration, count, *, method: str = "minmax", per_channel: bool = True,
-                              activations: str = "int8", inputs=(), keep_fp32=(), flags: dict, console):
+                              activations: str = "int8", inputs=(), keep_fp32=(), report_samples: int = 4,
+                              flags: dict, console):
     """MODEL -> the QDQ model OUT, calibrated on COUNT images of CALIBRATION preprocessed by
     ``flags`` (compile's preprocessing options), with a progress bar on ``console``: what
     `tandoor quantize` and `tandoor compile --int8` both run. Returns (quantize_model's summary,
@@ -174,6 +177,7 @@ def quantize_with_calibration(model, out, calibration, count, *, method: str = "
         task = bar.add_task("calibrating", total=n)
         res = quantize_model(model, out, calibration=samples, count=n, inputs=inputs, method=method,
                              per_channel=per_channel, activations=activations, keep_fp32=keep_fp32,
+                             report_samples=report_samples,
                              metadata=chosen,
                              progress=lambda done, total: bar.update(task, completed=done),
                              say=lambda m: console.log(m))

@@ -295,17 +295,21 @@ def test_the_layer_report_finds_the_layer_int8_breaks_and_keep_fp32_mends_it(tmp
     ref = _run(src, x)
     assert np.abs(_run(out, x)).max() == 0.0 and ref.min() > 5e-4      # what INT8 made of it
     kept = tmp_path / "kept.int8.onnx"
-    res = quantize(src, kept, frames["calib"], "--images", "12", "--keep-fp32", "softmax", "--report", str(report))
+    res = quantize(src, kept, frames["calib"], "--images", "12", "--keep-fp32", "softmax", "--report", str(report),
+                   "--report-images", "6")
     assert res.returncode == 0, res.stderr
-    assert json.loads(report.read_text())["outputs"]["prob"] > 40
+    mended = json.loads(report.read_text())
+    assert mended["outputs"]["prob"] > 40 and mended["samples"] == 6
     assert np.abs(_run(kept, x) - ref).max() < 1e-5
     settings = json.loads(onnx.load(str(kept)).metadata_props[0].value)
     assert settings["keep_fp32"] == ["softmax"]
     bad = tmp_path / "bad.int8.onnx"
-    res = quantize(src, bad, frames["calib"], "--images", "12", "--keep-fp32", "nosuchnode")
-    assert res.returncode == 2 and not bad.exists(), res.stderr
-    line = res.stderr.strip().splitlines()
-    assert len(line) == 1 and "--keep-fp32 nosuchnode" in line[0] and "layer report" in line[0]
+    for args, says in [(["--keep-fp32", "nosuchnode"], "--keep-fp32 nosuchnode"),
+                       (["--report-images", "13"], "--report-images 13: give 1 to the 12")]:
+        res = quantize(src, bad, frames["calib"], "--images", "12", *args)
+        assert res.returncode == 2 and not bad.exists(), res.stderr
+        line = res.stderr.strip().splitlines()
+        assert len(line) == 1 and says in line[0], res.stderr
 
 
 def test_the_next_command_carries_every_preprocessing_flag_given(tmp_path, tiny, frames):
