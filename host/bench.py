@@ -251,6 +251,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
     from tandoor_agent.run.board import configure_tvm_threads
 
     threads = configure_tvm_threads()      # before anything starts TVM's thread pool
+    load = round(os.getloadavg()[0], 2)    # what the idle-worker rule (spin or sleep) just saw
     n_threads = int(threads["TVM_NUM_THREADS"])
 
     import onnxruntime
@@ -402,7 +403,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
             "delegated_subgraphs": sum(1 for p in hyb_manifest["partitions"] if p["delegate"]),
             "ops_delegated": hyb_manifest["ops_delegated"], "ops_total": hyb_manifest["ops_total"],
             "choice_executors": [s["executor"] for s in breakdown["choice"]["subgraphs"]],
-            "threads": {**threads, "onnxruntime": n_threads, "load_1min": round(os.getloadavg()[0], 2)},
+            "threads": {**threads, "onnxruntime": n_threads, "load_1min": load},
             "host_target": host, "versions": {"tvm": tvm.__version__, "onnxruntime": onnxruntime.__version__},
         },
     }

@@ -307,7 +307,8 @@ def test_snapshot_on_request_and_counts_in_telemetry(service):
     assert tel["mqtt"]["snapshots_sent"] >= 1
 
 
-def _ask(rec, cmd: str, args: dict, corr: bytes, timeout: float = 60) -> dict:
+def _send(rec, cmd: str, args: dict, corr: bytes) -> None:
+    """A command to det1, answered on ops/det1 with Correlation Data ``corr``."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
@@ -315,6 +316,10 @@ def _ask(rec, cmd: str, args: dict, corr: bytes, timeout: float = 60) -> dict:
     props.ResponseTopic = "ops/det1"
     props.CorrelationData = corr
     rec.publish("tandoor/det1/cmd", json.dumps({"cmd": cmd, "args": args}), properties=props)
+
+
+def _ask(rec, cmd: str, args: dict, corr: bytes, timeout: float = 60) -> dict:
+    _send(rec, cmd, args, corr)
     return _answer(rec, corr, timeout, f"the {cmd} response")
 
 
@@ -330,14 +335,7 @@ def test_capture_saves_the_cameras_own_frames_for_calibration(service, image_fil
     they are written, refuses a second capture while one runs and bad arguments in one line."""
     rec = service["rec"]
     rec.subscribe("ops/det1")
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    props = Properties(PacketTypes.PUBLISH)
-    props.ResponseTopic = "ops/det1"
-    props.CorrelationData = b"cap-1"
-    rec.publish("tandoor/det1/cmd", json.dumps({"cmd": "capture", "args": {"frames": 4, "interval_s": 0.3}}),
-                properties=props)
+    _send(rec, "capture", {"frames": 4, "interval_s": 0.3}, b"cap-1")     # answered once written
     busy = _ask(rec, "capture", {"frames": 2}, b"cap-2")
     assert not busy["ok"] and busy["error"].startswith("busy: capture "), busy
     first = _answer(rec, b"cap-1", 60, "the capture's answer")
