@@ -9,7 +9,8 @@ it costs (compiler/cost.py). partition.py, codegen.py and cost.py dispatch on th
 know no op by name.
 
 The constraints follow Arm NN 20.08 / ACL and TVM v0.19's ACL integration:
-  - float32 only (quantised kernels come later), tensors of rank <= 4, static shapes;
+  - float32, or a QDQ-quantized conv2d/dense (int8/uint8 activations per tensor, int8 weights per
+    tensor or per output channel: the "q" entries), tensors of rank <= 4, static shapes;
   - conv2d in NHWC with a constant OHWI kernel; depthwise (groups == C_in) is ACL's
     NEDepthwiseConvolutionLayer; other grouped convolutions have no Arm NN 20.08 layer;
   - pools in NHWC with padding smaller than the window (ACL's pooling validation);
@@ -45,9 +46,11 @@ class Match:
     """One composite function of a delegated region, as codegen hands it to an entry's ``emit``."""
 
     def __init__(self, composite: str, func: relax.Function, ins: list[str], out: str,
-                 add_weight: Callable[[np.ndarray, str], str], add_tensor: Callable[[list[int]], str]):
+                 add_weight: Callable[..., str], add_tensor: Callable[[list[int]], str],
+                 set_quant: Callable[[str, orders.Quant], None] | None = None):
         self.composite, self.func, self.ins, self.out = composite, func, ins, out
         self.add_weight, self.add_tensor = add_weight, add_tensor
+        self.set_quant = set_quant or (lambda name, q: None)
         self.calls = _calls(func)
         self.params = list(func.params)
 
@@ -666,6 +669,148 @@ def emit_pad(m: Match) -> list[dict]:
     return [_op(m, "pad", _first_param(m), {"pads": pads, "value": float(m.root.attrs.pad_value)})]
 
 
+
+# --- quantized (QDQ) composites ----------------------------------------------------------------
+#
+# A QDQ model (tandoor quantize, or PyTorch/NNCF/ModelOpt exports) reaches Relax as
+# quantize(act?(conv2d(dequantize(x_q), W) + B)) with W and B already folded to float32 (their
+# DequantizeLinear of int8/int32 constants folds like any constant). The composite takes the int8
+# tensor x_q and gives an int8 tensor, which is what ACL's quantized kernels do; the kernel's int8
+# codes and scales are recovered from W exactly (int8_grid) rather than trusted from names.
+
+QUANT_ACTS = ("relu", "clip")     # what a quantized kernel fuses (onnxruntime folds most into Q)
+INT8_ACTIVATIONS = ("int8", "uint8")
+
+
+def int8_grid(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(int8 codes, float scales) with w == codes * scale exactly (to float32 rounding): one
+    scale for the tensor (axis None) or one per index of ``axis``; None when w is not such a grid
+    (a float weight). The largest |w| of each group is some n <= 128 steps, which gives the scale."""
+    w64 = np.asarray(w, np.float64)
+    groups = w64.reshape(1, -1) if axis is None else np.moveaxis(w64, axis, 0).reshape(w64.shape[axis], -1)
+    codes, scales = np.empty(groups.shape, np.int8), np.empty(len(groups))
+    for i, g in enumerate(groups):
+        m = float(np.abs(g).max()) if g.size else 0.0
+        if m == 0.0:
+            codes[i], scales[i] = 0, 1.0
+            continue
+        for n in (127, 128, *range(126, 0, -1)):
+            q = g * (n / m)
+            r = np.round(q)
+            if np.abs(q - r).max() <= 1e-3 and r.min() >= -128 and r.max() <= 127:
+                codes[i], scales[i] = r, m / n
+                break
+        else:
+            return None
+    if axis is not None:
+        shape = list(np.moveaxis(w64, axis, 0).shape)
+        codes = np.moveaxis(codes.reshape(shape), 0, axis)
+    return codes.reshape(w.shape), scales
+
+
+def weight_grid(w: np.ndarray, axis: int) -> tuple[np.ndarray, orders.Quant] | None:
+    """A weight's int8 codes and quant: per tensor when one scale holds it (what Arm NN's Python
+    bindings can express), else per index of ``axis``."""
+    for ax in (None, axis):
+        got = int8_grid(w, ax)
+        if got is not None:
+            codes, scales = got
+            return codes, orders.Quant(tuple(float(x) for x in scales), (0,) * len(scales), ax)
+    return None
+
+
+def _qparams(scale: relax.Expr, zp: relax.Expr, dtype: str) -> orders.Quant:
+    return orders.Quant((float(_const(scale).reshape(())),), (int(_const(zp).reshape(())),))
+
+
+def _quantized_rules(name: str, root: Callable[[DFPattern], DFPattern], check_root: OpCheck,
+                     kernel_of: Callable[[relax.Call], np.ndarray]) -> list[Rule]:
+    """quantize(act?(add(root(dequantize(x)), const)?)), act in QUANT_ACTS, most specific first."""
+    rules = []
+    for act in [EPILOGUES[k] for k in QUANT_ACTS] + [None]:
+        for with_bias in (True, False):
+            x = wildcard()
+            dq = is_op("relax.dequantize")(x, is_const(), is_const())
+            r = root(dq)
+            p, ann = r, {"root": r, "dq": dq, "x": x}
+            if with_bias:
+                b = is_const()
+                p = is_op("relax.add")(p, b)
+                ann["bias"] = b
+            if act:
+                p = act.epilogue(p)
+                ann["act"] = p
+            q = is_op("relax.quantize")(p, is_const(), is_const())
+            ann["q"] = q
+            suffix = ("_bias" if with_bias else "") + ("_" + act.kind if act else "")
+            rules.append(Rule(f"acl.q{name}{suffix}", q, ann, _quantized_check(check_root, with_bias, kernel_of)))
+    return rules
+
+
+def _quantized_check(check_root: OpCheck, bias: bool, kernel_of: Callable[[relax.Call], np.ndarray]) -> Check:
+    plain = _epilogue_check(check_root, bias)
+
+    def check(ann: Mapping[str, relax.Expr]) -> str | None:
+        if r := plain(ann):
+            return r
+        dq, q = ann["dq"], ann["q"]
+        src, dst = _dtype(dq.args[0]), _dtype(q)
+        if src not in INT8_ACTIVATIONS:
+            return f"dequantize of {src}: quantized kernels take int8/uint8 activations"
+        if dst != src:
+            return f"quantized from {src} to {dst}: ACL's quantized kernels keep the activation type"
+        if any(_const(a).size != 1 for a in (dq.args[1], dq.args[2], q.args[1], q.args[2])):
+            return "per-channel activation quantization: ACL quantizes activations per tensor"
+        if weight_grid(kernel_of(ann["root"]), 0) is None:
+            return "the weight is not int8-quantized (no int8 grid fits it): kept in float in TVM"
+        return None
+
+    return check
+
+
+def _conv_kernel(call: relax.Call) -> np.ndarray:
+    return _const(call.args[1])                              # OHWI: out channels on axis 0
+
+
+def _dense_kernel(call: relax.Call) -> np.ndarray:
+    return _const(call.args[1]).T                            # [N, K]: out features on axis 0
+
+
+def _quantized_weights(m: Match, kernel: np.ndarray) -> dict:
+    """The int8 kernel, the int32 bias (scale: input scale x kernel scale) and the activations'
+    quant, registered with the order."""
+    dq, q = m.call("relax.dequantize"), m.call("relax.quantize")
+    q_in = _qparams(dq.args[1], dq.args[2], _dtype(dq.args[0]))
+    m.set_quant(m.name_of(dq.args[0]), q_in)
+    m.set_quant(m.out, _qparams(q.args[1], q.args[2], _dtype(q)))
+    codes, kq = weight_grid(kernel, 0)
+    weights = {"kernel": m.add_weight(codes, "kernel", kq)}
+    if "_bias" in m.variant:
+        b = _const(m.call("relax.add").args[1]).reshape(-1).astype(np.float64)
+        bscale = np.asarray(kq.scale) * q_in.scale[0]
+        bscale = np.broadcast_to(bscale, b.shape)
+        bq = np.clip(np.round(b / bscale), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+        weights["bias"] = m.add_weight(bq, "bias", orders.Quant(tuple(float(x) for x in np.asarray(kq.scale) * q_in.scale[0]),
+                                                               (0,) * len(kq.scale), kq.axis))
+    return weights
+
+
+def emit_qconv2d(m: Match) -> list[dict]:
+    conv = m.call("relax.nn.conv2d")
+    a = conv.attrs
+    cin = _shape(conv.args[0])[3]
+    groups = int(a.groups)
+    weights = _quantized_weights(m, _conv_kernel(conv))
+    attrs = {"strides": _ints(a.strides), "padding": _ints(a.padding), "dilation": _ints(a.dilation),
+             "groups": groups, "depthwise": groups != 1 and groups == cin, "activation": _act_of(m)}
+    return [_op(m, "conv2d", [m.name_of(m.call("relax.dequantize").args[0])], attrs, weights)]
+
+
+def emit_qdense(m: Match) -> list[dict]:
+    mm = m.call("relax.matmul")
+    weights = _quantized_weights(m, _dense_kernel(mm))
+    return [_op(m, "dense", [m.name_of(m.call("relax.dequantize").args[0])], {"activation": _act_of(m)}, weights)]
+
 # --- the table ---------------------------------------------------------------------------------
 
 def _entries() -> list[Entry]:
@@ -673,6 +818,13 @@ def _entries() -> list[Entry]:
     deconv = is_op("relax.nn.conv2d_transpose")(wildcard(), is_const())
     dense = is_op("relax.matmul")(wildcard(), is_const())
     return [
+        # quantized first: their patterns contain the float ones
+        Entry("qconv2d", "conv2d", tuple(_quantized_rules(
+            "conv2d", lambda x: is_op("relax.nn.conv2d")(x, is_const()), check_conv2d, _conv_kernel)), emit_qconv2d,
+              "QDQ convolution: int8/uint8 in and out, int8 kernel (per tensor or channel), int32 bias, relu/clip"),
+        Entry("qdense", "dense", tuple(_quantized_rules(
+            "dense", lambda x: is_op("relax.matmul")(x, is_const()), check_dense, _dense_kernel)), emit_qdense,
+              "QDQ fully connected: int8/uint8 in and out, int8 kernel, int32 bias"),
         Entry("conv2d", "conv2d", tuple(_with_epilogue("conv2d", conv, check_conv2d)), emit_conv2d,
               "convolution (ordinary, depthwise, dilated) + per-channel bias + activation"),
         Entry("conv2d_transpose", "conv2d_transpose",

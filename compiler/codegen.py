@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from tandoor_contract import hmod
+from tandoor_contract import hmod, orders
 
 from . import acl
 from .errors import CompileError
@@ -25,13 +25,19 @@ class WeightPacker:
         self.blob = bytearray()
         self.table: dict[str, dict] = {}
 
-    def add(self, array: np.ndarray, hint: str) -> str:
-        array = np.ascontiguousarray(array, dtype=np.float32)
+    def add(self, array: np.ndarray, hint: str, quant: orders.Quant | None = None) -> str:
+        """A weight into the blob: float32, or (with ``quant``) its int8 codes / int32 bias as given."""
+        dtype = np.dtype(array.dtype).name if quant is not None else "float32"
+        if dtype not in orders.TENSOR_DTYPES:
+            raise CompileError(f"internal: a {dtype} weight ({hint})")
+        array = np.ascontiguousarray(array, dtype=dtype)
         name = f"w{len(self.table)}_{hint}"
         pad = (-len(self.blob)) % ALIGN
         self.blob += b"\0" * pad
-        self.table[name] = {"shape": list(array.shape), "dtype": "float32", "offset": len(self.blob), "nbytes": array.nbytes}
-        self.blob += array.astype("<f4").tobytes()
+        self.table[name] = {"shape": list(array.shape), "dtype": dtype, "offset": len(self.blob), "nbytes": array.nbytes}
+        if quant is not None:
+            self.table[name]["quant"] = quant.as_dict()
+        self.blob += array.astype(array.dtype.newbyteorder("<")).tobytes()
         return name
 
 
@@ -56,7 +62,13 @@ def region_to_order(func: relax.Function, symbol: str) -> tuple[dict, bytes]:
         n = f"in{i}"
         names[p] = n
         tensors[n] = {"shape": _shape(p), "dtype": _dtype(p)}
-        inputs.append({"name": n, **tensors[n]})
+        inputs.append(n)
+
+    def set_quant(name: str, q: orders.Quant) -> None:
+        had = tensors[name].get("quant")
+        if had is not None and had != q.as_dict():
+            raise CompileError(f"internal: tensor {name} of {symbol} is read with two quantizations ({had} and {q.as_dict()})")
+        tensors[name]["quant"] = q.as_dict()
     local: dict = {}
     ops: list[dict] = []
     for block in func.body.blocks:
@@ -78,7 +90,7 @@ def region_to_order(func: relax.Function, symbol: str) -> tuple[dict, bytes]:
                     tensors[name] = {"shape": list(shape), "dtype": dtype}
                     return name
 
-                match = acl.Match(composite, comp, ins, out, w.add, add_tensor)
+                match = acl.Match(composite, comp, ins, out, w.add, add_tensor, set_quant)
                 try:
                     ops += acl.entry_for(composite).emit(match)
                 except (KeyError, ValueError) as err:
@@ -90,15 +102,16 @@ def region_to_order(func: relax.Function, symbol: str) -> tuple[dict, bytes]:
             raise CompileError(f"internal: unexpected binding {type(v).__name__} in region {symbol}")
     result = func.body.body
     outs = result.fields if isinstance(result, relax.Tuple) else [result]
-    outputs = []
-    for o in outs:
-        n = _tensor_name(o, names)
-        outputs.append({"name": n, **tensors[n]})
-    for t in tensors.values():
-        if t["dtype"] != "float32":
-            raise CompileError(f"internal: region {symbol} has a {t['dtype']} tensor")
-    order = {"order_version": hmod.ORDER_VERSION, "symbol": symbol, "inputs": inputs, "outputs": outputs,
-             "tensors": tensors, "weights": w.table, "ops": ops}
+    outputs = [_tensor_name(o, names) for o in outs]
+    for n, t in tensors.items():
+        try:
+            orders.quant_of(t, f"tensor {n}")
+        except ValueError as err:
+            raise CompileError(f"internal: region {symbol}: {err}") from None
+    order = {"symbol": symbol, "inputs": [{"name": n, **tensors[n]} for n in inputs],
+             "outputs": [{"name": n, **tensors[n]} for n in outputs], "tensors": tensors, "weights": w.table, "ops": ops}
+    # version 1 while an order is all float32: agents that know only 1 still run it
+    order = {"order_version": hmod.ORDER_VERSION if orders.is_quantized(order) else 1, **order}
     return order, bytes(w.blob)
 
 
@@ -159,7 +172,38 @@ def region_as_module(func: relax.Function, lift_weights: bool = False):
     mod = relax.transform.DeadCodeElimination()(mod)
     if not lift_weights:
         return mod
-    return _lift_constants(mod)
+    return _lift_constants(_int8_kernels(mod))
+
+
+def _int8_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """A quantized conv2d/dense's float kernel -> dequantize(its int8 codes): the fallback then
+    takes the order's own int8 bytes as its parameters (the bundle holds INT8 weights once) and
+    dequantizes them once at load (LiftTransformParams), computing what it computed before."""
+    from .passes import _bind, _op_name, _rewrite
+
+    def rewrite(call, m):
+        name = _op_name(call)
+        if name not in ("relax.nn.conv2d", "relax.matmul") or not isinstance(call.args[1], tvm.ir.GenericConst):
+            return None
+        x = call.args[0]
+        x = m.lookup_binding(x) if isinstance(x, relax.Var) and m.lookup_binding(x) is not None else x
+        if _op_name(x) != "relax.dequantize":
+            return None
+        w = call.args[1].value.numpy()
+        got = acl.weight_grid(w if name == "relax.nn.conv2d" else w.T, 0)
+        if got is None:
+            return None
+        codes, q = got
+        axis = 0 if name == "relax.nn.conv2d" else 1
+        if name == "relax.matmul":
+            codes = codes.T
+        scale = np.asarray(q.scale, np.float32) if q.axis is not None else np.float32(q.scale[0])
+        zero = np.zeros(np.shape(scale), np.int8)
+        kernel = _bind(m, relax.op.dequantize(relax.const(np.ascontiguousarray(codes)), relax.const(scale),
+                                              relax.const(zero), axis=axis, out_dtype="float32"))
+        return relax.Call(call.op, [call.args[0], kernel], call.attrs)
+
+    return _rewrite(mod, rewrite)
 
 
 def _lift_constants(mod: tvm.IRModule):

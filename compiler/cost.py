@@ -22,6 +22,7 @@ measured on the board replaces them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ class Rate:
     kernel_us: float    # fixed cost per kernel (launch, threads)
     call_us: float      # fixed cost per call into the executor (0 for TVM: it is the caller)
     note: str = ""
+    int8_x: float = 1.0  # how much faster a quantized conv/dense kernel runs (1: computed in float)
 
 
 RATES: dict[str, dict[str, Rate]] = {
@@ -101,15 +103,18 @@ RATES: dict[str, dict[str, Rate]] = {
         # fitted to `tandoor bench`/`tandoor profile` on the 2-core host (docs/benchmarks.md):
         # EfficientNet-Lite0 / MobileNetV2 regions, TVM 16.3 / 12.9 ms, onnxruntime 13.0 / 10.5 ms;
         # one onnxruntime call ~8 us (io_binding) + ~25 us executor wrapper; CpuRef ~770x onnxruntime
+        # TVM computes a QDQ model's quantized ops in float between (de)quantize ops (int8_x 1);
+        # onnxruntime's x86 kernels fuse uint8-activation QDQ convs (int8 ones stay float here)
         "tvm": Rate(55.0, 10.0, 3.0, 0.0, "compiler/schedule.py rules, 2 threads (measured)"),
-        "onnxruntime": Rate(70.0, 12.0, 2.0, 25.0, "onnxruntime CPU EP, 2 threads (measured)"),
+        "onnxruntime": Rate(70.0, 12.0, 2.0, 25.0, "onnxruntime CPU EP, 2 threads (measured)", int8_x=2.0),
         "armnn": Rate(0.09, 0.5, 5.0, 40.0, "Arm NN CpuRef: the reference backend (measured)"),
     },
     "aarch64": {
-        # assumptions for 4x Cortex-A76 until `tandoor profile` measures the board
+        # assumptions for 4x Cortex-A76 until `tandoor profile` measures the board; INT8: the
+        # A76's dot-product instructions do 4x the MACs of fp32 FMA, assumed 2.5x delivered
         "tvm": Rate(12.0, 6.0, 5.0, 0.0, "assumed: rule-based NEON schedules, 4 threads"),
-        "onnxruntime": Rate(20.0, 6.0, 3.0, 30.0, "assumed: MLAS NEON"),
-        "armnn": Rate(30.0, 8.0, 4.0, 40.0, "assumed: Arm NN CpuAcc (ACL NEON)"),
+        "onnxruntime": Rate(20.0, 6.0, 3.0, 30.0, "assumed: MLAS NEON", int8_x=2.0),
+        "armnn": Rate(30.0, 8.0, 4.0, 40.0, "assumed: Arm NN CpuAcc (ACL NEON)", int8_x=2.5),
     },
 }
 COPY_GBPS = {"x86_64": 8.0, "aarch64": 4.0}     # boundary tensors written and read back once
@@ -144,6 +149,8 @@ def kernel_us(calls: list[relax.Call], nbytes: float, r: Rate, fused: bool) -> f
         return 0.0
     if fused and "heavy" not in classes:
         return flops / (r.gflops * 1e3)
+    if r.int8_x != 1.0 and any(c.op.name == "relax.quantize" for c in calls):
+        r = dataclasses.replace(r, gflops=r.gflops * r.int8_x)
     return _roofline(flops, nbytes, r)
 
 
@@ -177,6 +184,13 @@ def _region_kernels(func: relax.Function) -> list[tuple[list[relax.Call], int]]:
                     nbytes += _tensor_bytes(a.ty)
         out.append((calls, nbytes))
     return out
+
+
+def int8_flops(func: relax.Function) -> float:
+    """The work of a region's quantized composites (compiler/acl.py's q entries: they end in a
+    quantize), which its executors run with integer kernels."""
+    return sum(op_flops(c) for calls, _ in _region_kernels(func) if any(c.op.name == "relax.quantize" for c in calls)
+               for c in calls)
 
 
 def boundary_bytes(func: relax.Function) -> int:

@@ -70,8 +70,8 @@ def order_to_onnx(order: dict, weights: bytes, external: str | None = None) -> o
     The result has passed ``onnx.checker.check_model(full_check=True)``.
     """
     ver = order.get("order_version")
-    if ver != hmod.ORDER_VERSION:
-        raise ValueError(f"order_version {ver!r} is not supported (expected {hmod.ORDER_VERSION})")
+    if ver not in hmod.ORDER_VERSIONS:
+        raise ValueError(f"order_version {ver!r} is not supported (expected one of {hmod.ORDER_VERSIONS})")
     if external is not None and (not external or "/" in external or "\\" in external or external.startswith(".")):
         raise ValueError(f"external data file name {external!r} must be a plain file name")
     r = _Renderer(order, bytes(weights), external)
@@ -273,11 +273,68 @@ class _Renderer:
         if act:
             self.activation(act, value, self.output(op))
 
+    # --- quantized tensors (order_version 2) ---------------------------------------------------
+    #
+    # A quantized op is rendered as onnxruntime's QDQ form: DequantizeLinear of its int8 input and
+    # of its int8/int32 weights, the float op, QuantizeLinear of the result. onnxruntime fuses each
+    # such group into its integer kernels (QLinearConv, QGemm); layout transposes act on the int8
+    # tensors, outside the group.
+
+    def quant(self, name: str, spec: dict) -> orders.Quant | None:
+        try:
+            return orders.quant_of(spec, name)
+        except ValueError as err:
+            raise ValueError(str(err)) from None
+
+    def qparams(self, q: orders.Quant, dtype: str, base: str, zero_point: bool = True) -> list[str]:
+        per_axis = q.axis is not None
+        scale = np.array(q.scale if per_axis else q.scale[0], np.float32)
+        names = [self.const(scale, f"{base}__scale")]
+        if zero_point:
+            names.append(self.const(np.array(q.zero_point if per_axis else q.zero_point[0], dtype), f"{base}__zp"))
+        return names
+
+    def dequantize(self, x: str, q: orders.Quant, dtype: str, base: str, axis: int | None = None) -> str:
+        attrs = {"axis": axis} if q.axis is not None and axis is not None else {}
+        return self.node("DequantizeLinear", [x, *self.qparams(q, dtype, base, dtype != "int32")],
+                         self.fresh(f"{base}__dq"), **attrs)
+
+    def qweight(self, op: dict, role: str, transform=None, tag: str = "", perm=None, axis: int = 0) -> str | None:
+        """A quantized weight, dequantized in the graph (None if the op has no such weight)."""
+        name = (op.get("weights") or {}).get(role)
+        if name is None:
+            return None
+        spec = self.wtable[name]
+        q = self.quant(f"weight {name}", spec)
+        if q is None:
+            raise ValueError(f"{op['type']} -> {op['output']}: a quantized op with a float32 {role}")
+        w = self.weight(op, role, transform, tag, perm)
+        return self.dequantize(w, q, spec["dtype"], name, axis)
+
+    def op_quant(self, op: dict) -> tuple[orders.Quant, orders.Quant] | None:
+        """(input quant, output quant) of a quantized conv2d/dense; None for a float op."""
+        x, y = op["inputs"][0], op["output"]
+        qx, qy = self.quant(x, self.tensors[x]), self.quant(y, self.tensors[y])
+        if qx is None and qy is None:
+            return None
+        if qx is None or qy is None or self.tensors[x]["dtype"] != self.tensors[y]["dtype"]:
+            raise ValueError(f"{op['type']} -> {y}: quantized ops take and give one int8/uint8 type")
+        return qx, qy
+
+    def requantize(self, op: dict, value: str, act: dict | None, qy: orders.Quant, out: str | None = None) -> str:
+        y = op["output"]
+        if act:
+            value = self.activation(act, value, self.fresh(f"{y}__act"))
+        return self.node("QuantizeLinear", [value, *self.qparams(qy, self.tensors[y]["dtype"], y)],
+                         out or self.fresh(f"{y}__q"))
+
     # --- ops --------------------------------------------------------------------------------
 
     def _op_conv2d(self, op: dict) -> None:
         a = op["attrs"]
         x = op["inputs"][0]
+        if (qs := self.op_quant(op)) is not None:
+            return self._qconv2d(op, *qs)
         cin = self.shape(x)[3]
         groups = int(a.get("groups", 1))
         kernel = self.array(op["weights"]["kernel"])  # OHWI; depthwise [C*M, KH, KW, 1] is OHWI too
@@ -340,8 +397,40 @@ class _Renderer:
         self.node("Pad", [self.nhwc(x), self.const(pads, f"{op['output']}__pads"), value], self.output(op),
                   mode="constant")
 
+    def _qconv2d(self, op: dict, qx: orders.Quant, qy: orders.Quant) -> None:
+        a = op["attrs"]
+        x = op["inputs"][0]
+        cin, groups = self.shape(x)[3], int(a.get("groups", 1))
+        kernel = self.array(op["weights"]["kernel"])
+        if kernel.ndim != 4 or kernel.shape[3] * groups != cin or kernel.shape[0] % groups:
+            raise ValueError(f"conv2d -> {op['output']}: kernel {list(kernel.shape)} with groups={groups} "
+                             f"does not fit {cin} input channels")
+        xf = self.dequantize(self.to_nchw(x), qx, self.tensors[x]["dtype"], f"{x}__in")
+        ins = [xf, self.qweight(op, "kernel", lambda k: k.transpose(0, 3, 1, 2), "oihw", [0, 3, 1, 2], axis=0)]
+        if (b := self.qweight(op, "bias", axis=0)) is not None:
+            ins.append(b)
+        y = self.node("Conv", ins, self.fresh(f"{op['output']}__conv"),
+                      kernel_shape=list(kernel.shape[1:3]),
+                      strides=[int(s) for s in a.get("strides", [1, 1])],
+                      pads=_pads(a.get("padding", [0]), f"conv2d -> {op['output']}"),
+                      dilations=[int(d) for d in a.get("dilation", [1, 1])], group=groups)
+        self.produce_nchw(op, self.requantize(op, y, a.get("activation"), qy), None)
+
+    def _qdense(self, op: dict, qx: orders.Quant, qy: orders.Quant) -> None:
+        x = op["inputs"][0]
+        if len(self.shape(x)) != 2:
+            raise ValueError(f"dense -> {op['output']}: a quantized dense takes a 2-D input, has {self.shape(x)}")
+        xf = self.dequantize(self.nhwc(x), qx, self.tensors[x]["dtype"], f"{x}__in")
+        ins = [xf, self.qweight(op, "kernel", axis=0)]
+        if (b := self.qweight(op, "bias", axis=0)) is not None:
+            ins.append(b)
+        y = self.node("Gemm", ins, self.fresh(f"{op['output']}__gemm"), transB=1)
+        self.requantize(op, y, op["attrs"].get("activation"), qy, self.output(op))
+
     def _op_dense(self, op: dict) -> None:
         x = op["inputs"][0]
+        if (qs := self.op_quant(op)) is not None:
+            return self._qdense(op, *qs)
         act = op["attrs"].get("activation")
         b = self.weight(op, "bias", lambda v: v.reshape(-1))
         out = op["output"]

@@ -248,6 +248,13 @@ _SCALAR_BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide
                   "relax.minimum", "relax.power"}
 
 
+_QDQ = {"relax.quantize": relax.op.quantize, "relax.dequantize": relax.op.dequantize}
+
+
+def _is_scalar_const(e) -> bool:
+    return isinstance(e, tvm.ir.GenericConst) and e.value.numpy().size == 1
+
+
 _REDUCE = {"relax.mean": relax.op.mean, "relax.max": relax.op.max, "relax.sum": relax.op.sum}
 
 
@@ -344,6 +351,11 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
             inner = relax.op.strided_slice(x, [p[int(a) % len(p)] for a in axes], begin, end, strides)
         elif name in _ELEMENTWISE:
             inner = relax.Call(call.op, [x, *call.args[1:]], call.attrs)
+        elif name in _QDQ and all(_is_scalar_const(a) for a in call.args[1:3]):
+            # per-tensor (de)quantization is elementwise: without this every QDQ pair of a quantized
+            # model keeps the NCHW<->NHWC transposes ConvertLayout put around it
+            axis = p[int(call.attrs.axis) % len(p)]
+            inner = _QDQ[name](x, call.args[1], call.args[2], axis=axis, out_dtype=str(call.attrs.out_dtype))
         elif name == "relax.nn.pad":
             pw = [int(v) for v in call.attrs.pad_width]
             pairs = [pw[2 * i:2 * i + 2] for i in range(len(pw) // 2)]
@@ -361,6 +373,27 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
             break
         mod = new
     return mod
+
+
+def transpose_before_dequantize(mod: tvm.IRModule) -> tvm.IRModule:
+    """permute(dequantize(q)) -> dequantize(permute(q)) for per-tensor dequantization: the layout
+    transpose moves a quarter of the bytes, and a quantized conv2d composite (compiler/acl.py)
+    then starts right at the dequantize (the model input's first conv, after the NCHW -> NHWC
+    transpose)."""
+
+    def rewrite(call, m):
+        if _op_name(call) != "relax.permute_dims" or _perm(call) not in LAYOUT_PERMS:
+            return None
+        inner = call.args[0]
+        inner = m.lookup_binding(inner) if isinstance(inner, relax.Var) and m.lookup_binding(inner) is not None else inner
+        if _op_name(inner) != "relax.dequantize" or not all(_is_scalar_const(a) for a in inner.args[1:3]):
+            return None
+        p = _perm(call)
+        moved = _bind(m, relax.op.permute_dims(inner.args[0], p))
+        axis = int(np.argsort(p)[int(inner.attrs.axis) % len(p)])
+        return relax.op.dequantize(moved, inner.args[1], inner.args[2], axis=axis, out_dtype=str(inner.attrs.out_dtype))
+
+    return relax.transform.DeadCodeElimination()(_rewrite(mod, rewrite))
 
 
 def optimise(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict]:
@@ -384,6 +417,7 @@ def optimise(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict]:
     ])(mod)
     mod = nhwc_layout_ops(mod)
     mod = cancel_transposes(mod)
+    mod = transpose_before_dequantize(mod)
     mod = tvm.transform.Sequential([relax.transform.CanonicalizeBindings(), fold])(mod)
     return mod, {"layout_transposes": count_layout_transposes(mod)}
 

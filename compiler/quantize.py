@@ -387,11 +387,16 @@ def tolerance(loaded: frontend.LoadedModel) -> dict | None:
                           "onnxruntime_spread_steps": spread}}
 
 
-COMPUTE_NOTE = ("float32 between each DequantizeLinear and QuantizeLinear (TVM and the orders' executors "
-                "compute the dequantized values; no int8 kernels yet), within the recorded tolerance")
+def compute_note(int8_share: float) -> str:
+    """How the bundle computes a QDQ model, for the manifest and `tandoor inspect`."""
+    rest = ("float32 between each DequantizeLinear and QuantizeLinear (TVM computes the dequantized values)")
+    if int8_share <= 0:
+        return f"{rest}, within the recorded tolerance"
+    return (f"int8 kernels for {int8_share:.1%} of the FLOPs (the delegated quantized conv2d/dense orders: int8 "
+            f"weights and activations), the rest in {rest}, within the recorded tolerance")
 
 
-def manifest_entries(loaded: frontend.LoadedModel) -> dict | None:
+def manifest_entries(loaded: frontend.LoadedModel, int8_share: float = 0.0) -> dict | None:
     """For a QDQ model, the manifest's ``tolerance`` (:func:`tolerance`) and ``quantized``: the
     quantization ops, how the bundle computes them, and how the model was quantized when
     `tandoor quantize` made it. None for a float model."""
@@ -399,5 +404,5 @@ def manifest_entries(loaded: frontend.LoadedModel) -> dict | None:
     if tol is None:
         return None
     return {"tolerance": tol,
-            "quantized": {"format": "QDQ", "ops": quantized_nodes(loaded.proto), "compute": COMPUTE_NOTE,
+            "quantized": {"format": "QDQ", "ops": quantized_nodes(loaded.proto), "compute": compute_note(int8_share), "int8_flops_share": round(int8_share, 4),
                           "steps": tol["quantized"]["steps"], "by": settings_of(loaded.proto)}}

@@ -47,10 +47,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from . import durable
 from .errors import TandoorError
-from .orders import ORDER_VERSION
+from .orders import ORDER_VERSION, ORDER_VERSIONS
 
 __all__ = [
-    "FORMAT_VERSION", "ORDER_VERSION", "MANIFEST", "SIGNATURE", "SUFFIX",
+    "FORMAT_VERSION", "ORDER_VERSION", "ORDER_VERSIONS", "MANIFEST", "SIGNATURE", "SUFFIX",
     "BundleError", "NotABundle", "UnsafeMember", "HashMismatch", "MissingMember", "ExtraMember",
     "BadSignature", "UnsignedBundle", "FormatVersionError", "NoLibForArch", "KeyFileError",
     "Bundle", "open_bundle", "write_bundle", "generate_keypair", "load_private_key",
@@ -630,9 +630,9 @@ class Bundle:
         except (UnicodeDecodeError, ValueError) as e:
             raise NotABundle(f"{self.path}: order {name!r} is not valid JSON ({e})") from None
         ver = order.get("order_version") if isinstance(order, dict) else None
-        if type(ver) is not int or ver != ORDER_VERSION:
+        if type(ver) is not int or ver not in ORDER_VERSIONS:
             raise FormatVersionError(f"{self.path}: order {name!r} has order_version {ver!r}; "
-                                     f"this agent supports {ORDER_VERSION}")
+                                     f"this agent supports {', '.join(map(str, ORDER_VERSIONS))}")
         return order
 
     def weights(self, symbol: str) -> bytes:

@@ -15,10 +15,16 @@ weights table; attrs not listed here are ignored by readers.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ORDER_VERSION = 1
+# 1: float32 tensors only. 2: tensors and weights may also be quantized (int8/uint8 activations,
+# int8 weights, int32 biases, each with a ``quant`` object; QUANT below). The compiler writes 1 for
+# an order without quantized tensors, so agents that know only 1 still run float bundles, and
+# refuse a quantized order instead of computing it as floats.
+ORDER_VERSION = 2
+ORDER_VERSIONS = (1, 2)
 
 # What runs an order on a device (the agent's executor registry implements each; profiles and the
 # manifest's executor hints name them). FALLBACK is the order compiled by TVM alone: it runs
@@ -107,6 +113,72 @@ OPS: dict[str, OpType] = {op.name: op for op in [
 ]}
 
 
+# Quantized tensors (order_version 2): real = (q - zero_point) * scale. ``quant`` is
+# {"scale": [float...], "zero_point": [int...], "axis": int?}: one scale and zero point per tensor,
+# or (with ``axis``) one per index of that axis (per-channel weights: axis 0 of a conv kernel, OHWI,
+# and of a dense kernel, [N, K]; a bias's scales are input scale x kernel scales).
+QUANT_DTYPES: dict[str, tuple[int, int]] = {"int8": (-128, 127), "uint8": (0, 255),
+                                            "int32": (-2 ** 31, 2 ** 31 - 1)}
+TENSOR_DTYPES = ("float32", *QUANT_DTYPES)
+
+
+@dataclass(frozen=True)
+class Quant:
+    scale: tuple[float, ...]
+    zero_point: tuple[int, ...]
+    axis: int | None = None
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.axis is None
+
+    def as_dict(self) -> dict:
+        d: dict[str, Any] = {"scale": [float(s) for s in self.scale], "zero_point": [int(z) for z in self.zero_point]}
+        if self.axis is not None:
+            d["axis"] = int(self.axis)
+        return d
+
+
+def quant_of(spec: Mapping, what: str = "tensor") -> Quant | None:
+    """The ``quant`` of a tensor or weight spec (None for float32); ValueError when it is malformed:
+    a quantized dtype without one, lengths that disagree with each other or with the axis, a
+    non-positive scale, a zero point outside the dtype."""
+    dtype = spec.get("dtype", "float32")
+    q = spec.get("quant")
+    if dtype not in TENSOR_DTYPES:
+        raise ValueError(f"{what}: dtype {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
+    if dtype == "float32":
+        if q is not None:
+            raise ValueError(f"{what}: a float32 tensor has a quant object")
+        return None
+    if not isinstance(q, Mapping):
+        raise ValueError(f"{what}: {dtype} needs a quant object {{scale, zero_point}}")
+    scale, zp, axis = q.get("scale"), q.get("zero_point"), q.get("axis")
+    if (not isinstance(scale, list) or not isinstance(zp, list) or not scale or len(scale) != len(zp)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scale)
+            or not all(isinstance(z, int) and not isinstance(z, bool) for z in zp)):
+        raise ValueError(f"{what}: quant scale and zero_point must be equal-length lists of numbers")
+    if not all(math.isfinite(x) and x > 0 for x in scale):
+        raise ValueError(f"{what}: quant scales must be positive")
+    lo, hi = QUANT_DTYPES[dtype]
+    if not all(lo <= z <= hi for z in zp):
+        raise ValueError(f"{what}: a zero point is outside {dtype}")
+    shape = spec.get("shape")
+    if axis is not None:
+        if not isinstance(axis, int) or isinstance(axis, bool) or not isinstance(shape, list) or not 0 <= axis < len(shape):
+            raise ValueError(f"{what}: quant axis {axis!r} is not an axis of shape {shape}")
+        if len(scale) != shape[axis]:
+            raise ValueError(f"{what}: {len(scale)} scales for axis {axis} of size {shape[axis]}")
+    elif len(scale) != 1:
+        raise ValueError(f"{what}: {len(scale)} scales without an axis")
+    return Quant(tuple(float(x) for x in scale), tuple(int(z) for z in zp), axis)
+
+
+def is_quantized(order: Mapping) -> bool:
+    specs = list((order.get("tensors") or {}).values()) + list((order.get("weights") or {}).values())
+    return any(isinstance(s, Mapping) and s.get("dtype", "float32") != "float32" for s in specs)
+
+
 def weight_roles(op_type: OpType) -> tuple[set[str], set[str]]:
     """(required roles, optional roles) of an op type."""
     req = {r for r in op_type.weights if not r.endswith("?")}
@@ -121,7 +193,7 @@ def check_op(op: Any) -> str | None:
         return f"op is a {type(op).__name__}, not an object"
     t = OPS.get(op.get("type")) if isinstance(op.get("type"), str) else None
     if t is None:
-        return f"op type {op.get('type')!r} is not in order_version {ORDER_VERSION} (known: {', '.join(OPS)})"
+        return f"op type {op.get('type')!r} is not in order_version {ORDER_VERSION}'s vocabulary (known: {', '.join(OPS)})"
     ins = op.get("inputs", [])
     if not isinstance(ins, list) or not all(isinstance(i, str) for i in ins):
         return f"{t.name}: inputs must be a list of tensor names"

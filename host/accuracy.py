@@ -92,62 +92,85 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
                       min_sqnr_db: float | None = None, trusted_keys=()) -> dict:
     """The bundle against the fp32 ``reference`` on the images of ``images`` (a directory or a
     video; ``count`` of them spread evenly, default all). Returns the report (module doc)."""
+    from tandoor_agent.run.runtime import HybridModule
+
+    with hmod.open_bundle(bundle_path, trusted_keys=trusted_keys) as bundle:
+        module = HybridModule(bundle, delegate=delegate)
+        try:
+            return compare(bundle.manifest, module.run, reference, images, count=count, max_drop=max_drop,
+                           min_sqnr_db=min_sqnr_db, what=f"{delegate} executors")
+        finally:
+            module.close()
+
+
+def compare_models(model: str | Path, reference: str | Path, images: str | Path, manifest: dict, *,
+                   count: int | None = None, max_drop: float = DEFAULT_MAX_DROP,
+                   min_sqnr_db: float | None = None) -> dict:
+    """A QDQ ``model`` in onnxruntime against the fp32 ``reference``, the images preprocessed as
+    ``manifest`` (inputs, outputs, preprocess, postprocess) says: `tandoor quantize --max-drop`."""
     import onnxruntime as ort
 
-    from tandoor_agent.run.runtime import HybridModule
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    return compare(manifest, lambda xs: sess.run(None, {name: xs[0]}), reference, images, count=count,
+                   max_drop=max_drop, min_sqnr_db=min_sqnr_db, what="onnxruntime")
+
+
+def compare(m: dict, run, reference: str | Path, images: str | Path, *, count: int | None = None,
+            max_drop: float = DEFAULT_MAX_DROP, min_sqnr_db: float | None = None, what: str = "") -> dict:
+    """``run`` (inputs -> outputs, a model as the manifest ``m`` describes it) against the fp32
+    ``reference`` on the images (the module doc)."""
+    import onnxruntime as ort
+
     from tandoor_agent.serve.pipeline import decode
     from tandoor_compiler import frontend
     from tandoor_compiler.errors import CompileError
 
     src = calib.open_source(images, "--images")
-    with hmod.open_bundle(bundle_path, trusted_keys=trusted_keys) as bundle:
-        m = bundle.manifest
-        if len(m["inputs"]) != 1:
-            raise CompileError(f"the model has {len(m['inputs'])} inputs; --images feeds one image input")
-        spec = m["inputs"][0]
-        pins = [f"{spec['name']}=" + "x".join(str(d) for d in spec["shape"])]
-        ref = frontend.load(reference, pins)
-        theirs, ours = [o.shape for o in ref.outputs], [o["shape"] for o in m["outputs"]]
-        if theirs != ours:
-            raise CompileError(f"--reference {Path(reference).name} has output(s) of shape {theirs}, the bundle "
-                               f"{ours}: give the fp32 model this bundle was quantized from")
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(ref.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        module = HybridModule(bundle, delegate=delegate)
-        outs = m["outputs"]
-        classifier = _classifier_outputs(m)
-        detector = _is_detector(m)
-        boxes = {"fp32": 0, "bundle": 0, "matched": 0}
-        signal = [0.0] * len(outs)
-        noise = [0.0] * len(outs)
-        cos: list[list[float]] = [[] for _ in outs]
-        top1 = [0] * len(outs)
-        top5 = [0] * len(outs)
-        n = 0
-        try:
-            for x in calib.tensors(src, calib.pick(src.size, count), spec, m.get("preprocess")):
-                got = module.run([x])
-                want = sess.run(None, {ref.inputs[0].name: x})
-                for j, (g, w) in enumerate(zip(got, want)):
-                    g = np.asarray(g, np.float64).reshape(-1)
-                    w = np.asarray(w, np.float64).reshape(-1)
-                    signal[j] += float(np.sum(w * w))
-                    noise[j] += float(np.sum((g - w) ** 2))
-                    cos[j].append(_cosine(g, w))
-                    if classifier[j]:
-                        best = int(np.argmax(w))
-                        top1[j] += int(np.argmax(g)) == best
-                        top5[j] += best in np.argsort(-g, kind="stable")[:5]
-                if detector:
-                    ref_dets = decode(m, want)["detections"]
-                    our_dets = decode(m, got)["detections"]
-                    boxes["fp32"] += len(ref_dets)
-                    boxes["bundle"] += len(our_dets)
-                    boxes["matched"] += match_boxes(ref_dets, our_dets)
-                n += 1
-        finally:
-            module.close()
+    if len(m["inputs"]) != 1:
+        raise CompileError(f"the model has {len(m['inputs'])} inputs; --images feeds one image input")
+    spec = m["inputs"][0]
+    pins = [f"{spec['name']}=" + "x".join(str(d) for d in spec["shape"])]
+    ref = frontend.load(reference, pins)
+    theirs, ours = [o.shape for o in ref.outputs], [o["shape"] for o in m["outputs"]]
+    if theirs != ours:
+        raise CompileError(f"--reference {Path(reference).name} has output(s) of shape {theirs}, the bundle "
+                           f"{ours}: give the fp32 model this bundle was quantized from")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(ref.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    outs = m["outputs"]
+    classifier = _classifier_outputs(m)
+    detector = _is_detector(m)
+    boxes = {"fp32": 0, "bundle": 0, "matched": 0}
+    signal = [0.0] * len(outs)
+    noise = [0.0] * len(outs)
+    cos: list[list[float]] = [[] for _ in outs]
+    top1 = [0] * len(outs)
+    top5 = [0] * len(outs)
+    n = 0
+    for x in calib.tensors(src, calib.pick(src.size, count), spec, m.get("preprocess")):
+        got = run([x])
+        want = sess.run(None, {ref.inputs[0].name: x})
+        for j, (g, w) in enumerate(zip(got, want)):
+            g = np.asarray(g, np.float64).reshape(-1)
+            w = np.asarray(w, np.float64).reshape(-1)
+            signal[j] += float(np.sum(w * w))
+            noise[j] += float(np.sum((g - w) ** 2))
+            cos[j].append(_cosine(g, w))
+            if classifier[j]:
+                best = int(np.argmax(w))
+                top1[j] += int(np.argmax(g)) == best
+                top5[j] += best in np.argsort(-g, kind="stable")[:5]
+        if detector:
+            ref_dets = decode(m, want)["detections"]
+            our_dets = decode(m, got)["detections"]
+            boxes["fp32"] += len(ref_dets)
+            boxes["bundle"] += len(our_dets)
+            boxes["matched"] += match_boxes(ref_dets, our_dets)
+        n += 1
     per_output = []
     for j, o in enumerate(outs):
         row = {"name": o["name"], "sqnr_db": round(sqnr_db(signal[j], noise[j]), 2),
@@ -170,7 +193,8 @@ def compare_on_images(bundle_path: str | Path, reference: str | Path, images: st
     if min_sqnr_db is not None:
         failures += [f"output {r['name']}: SQNR {r['sqnr_db']:.1f} dB < --min-sqnr {min_sqnr_db:g} dB"
                      for r in per_output if r["sqnr_db"] < min_sqnr_db]
-    return {"images": n, "source": src.describe(), "delegate": delegate, "top1_agreement": top1_agreement,
+    return {"images": n, "source": src.describe(), "delegate": what.split()[0] if what else "",
+            "top1_agreement": top1_agreement,
             "top5_agreement": top5_agreement, "box_agreement": box_agreement,
             **({"boxes_fp32": boxes["fp32"], "boxes_bundle": boxes["bundle"], "boxes_matched": boxes["matched"],
                 "boxes_extra": boxes["bundle"] - boxes["matched"]} if detector else {}),

@@ -23,7 +23,7 @@ from tandoor_compiler.errors import CompileError
 from tandoor_contract import hmod, media, orders
 from tandoor_contract.errors import TandoorError
 
-from .quantize import accuracy_options, keep_fp32_option, quantize, verify_on_images
+from .quantize import accuracy_options, budget_options, check_budget, judge, keep_fp32_option, quantize, verify_on_images
 
 DEBUG = os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
 _native_log: Path | None = None     # where fd 2 goes while a command runs (without --debug)
@@ -193,11 +193,12 @@ def main() -> None:
 @click.option("--images", "calib_count", type=click.IntRange(1), default=None,
               help="With --int8: calibrate on N images (default: the directory's, 300 frames of a video).")
 @keep_fp32_option
+@budget_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
             build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
-            decoder_opts, int8, calibration, calib_count, keep_fp32, quiet):
+            decoder_opts, int8, calibration, calib_count, keep_fp32, validation, max_drop, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
@@ -205,9 +206,10 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
 
     from .quantize import quantize_with_calibration
 
-    if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32) and not int8):
-        raise CompileError("--int8 and --calibration go together (--images and --keep-fp32 with them): give both to quantize on "
-                           "your images first, or neither")
+    if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32 or max_drop is not None) and not int8):
+        raise CompileError("--int8 and --calibration go together (--images, --keep-fp32 and --max-drop with them): give "
+                           "both to quantize on your images first, or neither")
+    check_budget(validation, max_drop, out)
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
                    layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build,
@@ -215,6 +217,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
                    decoder=decoder,
                    decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det})
     console = Console(stderr=True, quiet=quiet, log_path=False)
+    source = model     # the fp32 model: what --max-drop judges the INT8 bundle against
     with tempfile.TemporaryDirectory(prefix="tandoor-int8-") as tmp:
         if int8:
             q = Path(tmp) / f"{Path(model).stem}.int8.onnx"
@@ -229,13 +232,27 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             def progress(msg: str) -> None:
                 status.update(msg)
                 console.log(msg)
-            p = compile_model(model, out, opts, progress=progress)
+            # judged before it replaces anything: past the budget, nothing is written
+            staged = Path(out).with_name(f".{Path(out).stem}.unjudged{Path(out).suffix}") if max_drop is not None else Path(out)
+            try:
+                p = compile_model(model, staged, opts, progress=progress)
+                if max_drop is not None:
+                    from .accuracy import compare_on_images
+
+                    status.update(f"judging the INT8 bundle on {validation}")
+                    judge(compare_on_images(staged, source, validation, max_drop=max_drop), max_drop, console)
+                    os.replace(staged, out)
+            finally:
+                if staged != Path(out):
+                    staged.unlink(missing_ok=True)
     kept = [x for x in p["partitions"] if x["delegate"]]
     share = p.get("flops_delegated", 0) / p["flops_total"] if p.get("flops_total") else 0.0
     for note in p.get("notes") or ():
         console.print(f"[yellow]note[/] {note}")
     console.print(
-        f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL in "
+        f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL"
+        + (f" ({p['flops_delegated_int8'] / p['flops_total']:.1%} as INT8)" if p.get("flops_delegated_int8") else "")
+        + " in "
         f"{len(kept)} subgraph(s), {p['layout_transposes']} layout transpose(s), targets {', '.join(p['targets'])}, "
         f"predicted speedup {p['predicted_speedup']:.2f}x" + (", signed" if key else "")
         + f", decided from {_decided_from(p)}" + ("" if opts.check else ", NOT self-checked (--no-check)"))

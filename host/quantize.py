@@ -3,6 +3,7 @@ images preprocessed as the bundle will preprocess the camera's frames (host/cali
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +43,41 @@ def keep_fp32_option(f):
                         help="Leave this node in fp32 (repeatable): the layer report names the nodes that lose most.")(f)
 
 
+def budget_options(f):
+    f = click.option("--max-drop", type=click.FloatRange(0, 1), default=None, metavar="FRACTION",
+                     help="Refuse (exit 2, nothing written) when top-1 or box agreement with the fp32 model on "
+                          "--validation drops by more (0.05 = 5%), as NNCF's accuracy control does.")(f)
+    return click.option("--validation", type=click.Path(path_type=Path), default=None,
+                        help="With --max-drop: a directory of images or a video calibration did not see.")(f)
+
+
+def check_budget(validation, max_drop, out) -> None:
+    if (validation is None) != (max_drop is None):
+        raise CompileError("--max-drop and --validation go together: give the budget and the images calibration "
+                           "did not see to judge it on, or neither")
+    if validation is not None:
+        from . import calibration as calib
+
+        calib.open_source(validation, "--validation")      # refused now, not after minutes of work
+
+
+def judge(res: dict, max_drop: float, console) -> None:
+    """Print what the held-out images said; a CompileError (exit 2) past the budget."""
+    said = [f"top-1 agreement {res['top1_agreement']:.1%}"] if res.get("top1_agreement") is not None else []
+    if res.get("box_agreement") is not None:
+        said.append(f"box agreement {res['box_agreement']:.1%} ({res['boxes_matched']}/{res['boxes_fp32']} boxes)")
+    if not said:
+        raise CompileError("--max-drop: these outputs have no class scores and no boxes to judge agreement by "
+                           "(compile --int8 with --decoder for a detector); drop --max-drop and check with "
+                           "tandoor verify --images --min-sqnr")
+    console.log(f"on {res['images']} held-out image(s): " + ", ".join(said)
+                + ", SQNR " + ", ".join(f"{k} {v:.1f} dB" for k, v in res["sqnr_db"].items()))
+    if not res["ok"]:
+        raise CompileError(f"INT8 is past --max-drop {max_drop:.1%} on {res['images']} held-out image(s): "
+                           f"{'; '.join(res['failures'])}; nothing written. Try --method percentile, more "
+                           "calibration images, or --keep-fp32 on the layers the report names")
+
+
 def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range) -> dict | None:
     """The manifest's ``preprocess`` that `tandoor compile` would record for these flags."""
     from tandoor_compiler import pipeline
@@ -76,11 +112,13 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
               help="Write the per-layer report (every layer's SQNR against fp32) to this JSON file.")
 @click.option("--report-images", "report_samples", type=click.IntRange(1), default=4, show_default=True,
               help="Calibration images (spread over them) the layer report compares on; more is steadier.")
+@budget_options
 @preprocess_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @click.option("--debug", is_flag=True, hidden=True)
 def quantize(model, out, calibration, count, method, per_channel, activations, inputs, keep_fp32, report_path,
-             report_samples, mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range, quiet, debug):
+             report_samples, validation, max_drop, mean, std, layout, bgr, resize, letterbox_align, pad_value,
+             pixel_range, quiet, debug):
     """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
     with the same --mean/--std/--resize flags."""
     from rich.console import Console
@@ -90,9 +128,28 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
                  pad_value=pad_value, pixel_range=pixel_range)
     if report_path is not None and not report_path.parent.is_dir():
         raise CompileError(f"--report {report_path}: directory {report_path.parent} does not exist")
-    res, src = quantize_with_calibration(model, out, calibration, count, method=method, per_channel=per_channel,
-                                         activations=activations, inputs=inputs, keep_fp32=keep_fp32, flags=flags,
-                                         report_samples=report_samples, console=console)
+    check_budget(validation, max_drop, out)
+    staged = Path(out).with_name(f".{Path(out).stem}.unjudged.onnx") if max_drop is not None else Path(out)
+    try:
+        res, src = quantize_with_calibration(model, staged, calibration, count, method=method, per_channel=per_channel,
+                                             activations=activations, inputs=inputs, keep_fp32=keep_fp32, flags=flags,
+                                             report_samples=report_samples, console=console)
+        if max_drop is not None:
+            from tandoor_compiler import frontend
+
+            from .accuracy import compare_models
+
+            q = frontend.load(staged, list(inputs))
+            spec = {**q.inputs[0].as_dict(), "layout": layout or media.guess_layout(q.inputs[0].shape)}
+            like = {"inputs": [spec], "outputs": [o.as_dict() for o in q.outputs], "preprocess": res["preprocess"],
+                    "postprocess": None}
+            with console.status(f"judging the INT8 model on {validation}"):
+                judged = compare_models(staged, model, validation, like, max_drop=max_drop)
+            judge(judged, max_drop, console)
+            os.replace(staged, out)
+    finally:
+        if staged != Path(out):
+            staged.unlink(missing_ok=True)
     if report_path is not None:
         durable.atomic_write(report_path, (json.dumps(res["report"], indent=2) + "\n").encode())
     q = res["quantized"]
@@ -182,6 +239,7 @@ def quantize_with_calibration(model, out, calibration, count, *, method: str = "
                              progress=lambda done, total: bar.update(task, completed=done),
                              say=lambda m: console.log(m))
     print_report(res["report"], console)
+    res["preprocess"] = chosen.get("preprocess")
     return res, src
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import durable, hmod
+from tandoor_contract import durable, hmod, orders
 from tandoor_contract import profile as facts
 from tandoor_contract.profile import PROFILE_VERSION
 
@@ -78,12 +78,21 @@ def _median_us(ns: list[int]) -> float:
     return round(statistics.median(ns) / 1e3, 2) if ns else float("nan")
 
 
+def _random(spec: dict, rng) -> np.ndarray:
+    """An input for an order tensor: every code of a quantized (int8/uint8) one, noise for float32."""
+    dtype = spec.get("dtype", "float32")
+    if dtype in orders.QUANT_DTYPES:
+        lo, hi = orders.QUANT_DTYPES[dtype]
+        return rng.integers(lo, hi + 1, spec["shape"]).astype(dtype)
+    return rng.standard_normal(spec["shape"]).astype(np.float32)
+
+
 def _measure_executor(ex, order: dict, runs: int, warmup: int, rng) -> dict:
     import tvm
 
     dev = tvm.cpu()
-    ins = [tvm.runtime.tensor(rng.standard_normal(i["shape"]).astype(np.float32), dev) for i in order["inputs"]]
-    outs = [tvm.runtime.empty(tuple(o["shape"]), "float32", dev) for o in order["outputs"]]
+    ins = [tvm.runtime.tensor(_random(i, rng), dev) for i in order["inputs"]]
+    outs = [tvm.runtime.empty(tuple(o["shape"]), o.get("dtype", "float32"), dev) for o in order["outputs"]]
     args = ins + outs
     n_in = len(ins)
     clock = time.perf_counter_ns

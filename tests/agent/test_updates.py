@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from support.bundle_edit import sha
-from support.cli import BIN
+from support.cli import BIN, manifest_of
 from support.mosquitto import Broker, Recorder, available
 from tandoor_agent.update import slots
 from tandoor_contract import hmod
@@ -882,3 +882,22 @@ def test_deploy_over_the_artifact_url_transport_with_the_cli(devs, broker, B):
     assert not [m for m in rec.messages if "/update/chunk/" in m.topic and "job-url" in m.topic]
     running_sha(rec, "u1", sha(B["v4"]))
     serving_frames(rec, "u1")
+
+
+def test_an_int8_bundle_commits_through_the_health_gate(devs, broker, B, bundles_dir, tmp_path):
+    """A fleet update to an INT8 bundle (int8 orders, order_version 2): the device's health gate
+    replays its golden pairs at the tolerance the compiler recorded in quantization steps, passes,
+    and the device serves it; the manifest's tolerance is the INT8 one, not fp32's."""
+    from support.agents import int8_bundle
+
+    bundle = int8_bundle(bundles_dir, tmp_path, "7", B["pub"].with_name("k1.pem"))
+    man = manifest_of(bundle)
+    assert man["quantized"]["int8_flops_share"] > 0.5 and man["tolerance"]["atol"] != 1e-3
+    rec = devs["rec"]
+    rec.clear()
+    out = deploy(broker.port, bundle, ["u2"], job_id="job-int8")
+    assert out["devices"]["u2"]["state"] == "committed", out
+    assert "health gate passed" in out["devices"]["u2"]["reason"]
+    running_sha(rec, "u2", sha(bundle))
+    assert_committed_state(devs["slots"]["u2"], sha(bundle))
+    serving_frames(rec, "u2")

@@ -322,3 +322,38 @@ def test_the_next_command_carries_every_preprocessing_flag_given(tmp_path, tiny,
     nxt = " ".join(res.stderr.split()).split("next: ", 1)[1]
     assert "--resize letterbox" in nxt and "--pad-value 0" in nxt and "--pixel-range 0-255" in nxt, nxt
     assert json.loads(onnx.load(str(out)).metadata_props[0].value)["preprocess"]["pad_value"] == 0
+
+
+def test_max_drop_refuses_int8_past_the_budget_on_held_out_images_and_writes_nothing(tmp_path, tiny, frames):
+    """--max-drop with --validation (images calibration did not see), as NNCF's accuracy control: the
+    flat classifier INT8 rounds to zeros loses its top-1 on most frames, so quantize and compile
+    --int8 refuse it in one line (exit 2) and leave nothing behind; the tiny CNN within a loose
+    budget is written, and what compile judged is what verify then measures on the bundle."""
+    src = tmp_path / "flat.onnx"
+    onnx.save(flat_classifier(), str(src))
+    out = tmp_path / "flat.int8.onnx"
+    res = quantize(src, out, frames["calib"], "--images", "12", "--validation", str(frames["eval"]), "--max-drop", "0.05")
+    # the layer report's warning (printed even with -q) names the cause; the refusal is one line
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and last.startswith("tandoor: error: INT8 is past --max-drop 5.0%"), res.stderr
+    assert "nothing written" in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.onnx"]
+    hmod_out = tmp_path / "flat.hmod"
+    res = run_cli("tandoor", "compile", str(src), "-o", str(hmod_out), "-q", "--mean", MEAN, "--std", STD,
+                  "--measure", "off", "--int8", "--calibration", str(frames["calib"]), "--images", "12",
+                  "--validation", str(frames["eval"]), "--max-drop", "0.05")
+    assert res.returncode == 2 and "past --max-drop" in res.stderr and not hmod_out.exists(), res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.onnx"]
+    # within a budget: written, and verify on the same held-out images agrees with the judgement
+    good = tmp_path / "tiny.int8.hmod"
+    res = run_cli("tandoor", "compile", str(tiny), "-o", str(good), "--mean", MEAN, "--std", STD, "--measure", "off",
+                  "--int8", "--calibration", str(frames["calib"]), "--images", "20",
+                  "--validation", str(frames["eval"]), "--max-drop", "0.5")
+    assert res.returncode == 0 and good.exists(), res.stderr
+    said = float(" ".join(res.stderr.split()).split("held-out image(s): top-1 agreement ")[1].split("%")[0])
+    rep = json.loads(run_cli("tandoor", "verify", str(good), "--reference", str(tiny), "--images", str(frames["eval"]),
+                             "--max-drop", "0.5", "--json").stdout)
+    assert rep["images"] == 125 and rep["top1_agreement"] == pytest.approx(said / 100, abs=0.0005)
+    # the budget needs its images, and the other way round: refused before any work
+    res = quantize(tiny, out, frames["calib"], "--max-drop", "0.05")
+    assert res.returncode == 2 and "--max-drop and --validation go together" in res.stderr and not out.exists()

@@ -165,6 +165,17 @@ def make_bundles(bundles_dir: Path, d: Path) -> dict[str, Path]:
     return out
 
 
+def int8_bundle(bundles_dir: Path, d: Path, version_: str, key: Path) -> Path:
+    """A QDQ INT8 bundle (tests/support/qdq.py's small CNN, per-channel, int8 orders; host +
+    aarch64) of the same 1x3x32x32 input as make_bundles' ones, signed with ``key``."""
+    from .qdq import quantized_small_cnn
+
+    d.mkdir(parents=True, exist_ok=True)
+    _, q = quantized_small_cnn(d)
+    base = compiled("small_int8_update", q, bundles_dir, "--policy", "all")
+    return rewrite(base, d / f"int8-v{version_}.hmod", version(version_), key)
+
+
 def seed_slots(slot_dir: Path, bundle: Path, pub: Path) -> Path:
     store = SlotStore(slot_dir)
     store.install(bundle, "seed", [pub])

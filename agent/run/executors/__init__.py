@@ -95,7 +95,11 @@ def _check_order(ex, ctx: BuildContext, armnn) -> None:
             raise Unavailable(f"the order's probe cannot be checked ({e})") from None
     else:
         rng = np.random.default_rng(0)
-        xs = [rng.standard_normal(tuple(i["shape"])).astype(np.float32) for i in ctx.order["inputs"]]
+        specs = ctx.order["inputs"]
+        floats = [i.get("dtype", "float32") == "float32" for i in specs]
+        codes = probe.inputs(ctx.order) if not all(floats) else []   # a quantized input takes codes of its dtype
+        xs = [rng.standard_normal(tuple(i["shape"])).astype(np.float32) if f else codes[k]
+              for k, (i, f) in enumerate(zip(specs, floats))]
         ref = _build_ort(ctx)
         try:
             why = armnn.differs(ex.run(xs), ref.run(xs))

@@ -29,6 +29,15 @@ on CpuRef, and by tests/board on CpuAcc with both APIs):
   index/weight maps, so only the coordinate modes that really coincide are accepted.
 * Softmax is built over the last axis (``m_Axis = -1``, the only axis ACL 20.08 honours); other
   axes are permuted to the end and back.
+* Quantized conv2d/dense (order_version 2): activations are QAsymmS8/QAsymmU8 with the order's
+  scale and zero point, the bias Signed32 with scale input x kernel scale, and the kernel is given
+  the *activation's* type (int8 codes as QAsymmS8 offset 0; uint8 activations: codes + 128 as
+  QAsymmU8 offset 128, the same reals), as Arm NN's TfLite parser does: ACL's convolution,
+  depthwise and fully connected kernels take per-tensor weights only of the input's type (or
+  per-channel QSymmS8), so a per-tensor QSymmS8 kernel would leave the layer to CpuRef. Neither
+  binding's TensorInfo can hold per-axis scales (no SetQuantizationScales): such orders are
+  refused. A fused relu/clip is an ActivationLayer on the output's quantization (equal to
+  requantizing the activated accumulator within a step).
 """
 
 from __future__ import annotations
@@ -133,15 +142,66 @@ def permute_plan(axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 
+# Order dtypes this executor takes: tensors (activations) and weights (int32: biases only)
+TENSOR_DTYPES = ("float32", "int8", "uint8")
+WEIGHT_DTYPES = ("float32", "int8", "int32")
+QUANT_OPS = ("conv2d", "dense")   # the op types order_version 2 lets take quantized tensors
+_NP_OF_ARMNN = {"QAsymmS8": np.int8, "QAsymmU8": np.uint8, "QSymmS8": np.int8, "Signed32": np.int32}
+_ARMNN_OF_ACT = {"int8": "QAsymmS8", "uint8": "QAsymmU8"}
+
+
+@dataclass(frozen=True)
+class QType:
+    """A quantized Arm NN tensor type: the DataType (its pyarmnn name without ``DataType_``),
+    one scale and one offset (real = (q - offset) * scale)."""
+
+    armnn: str
+    scale: float
+    offset: int
+
+    @property
+    def np_dtype(self) -> type:
+        return _NP_OF_ARMNN[self.armnn]
+
+
+@dataclass(frozen=True)
+class QuantOp:
+    """The quantized types of one conv2d/dense: input, output, kernel (in the input's type, see
+    the module doc; ``kernel_shift`` is added to the int8 codes for uint8) and bias."""
+
+    x: QType
+    y: QType
+    kernel: QType
+    bias: QType | None
+    kernel_shift: int = 0
+
+    def kernel_codes(self, k: np.ndarray) -> np.ndarray:
+        if not self.kernel_shift:
+            return k
+        return (k.astype(np.int16) + self.kernel_shift).astype(self.kernel.np_dtype)
+
 
 def differs(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> str | None:
     """Why ``got`` is not ``want`` computed another way (None if it is): more than 0.1% of an
     output's elements beyond 1e-3 + 1e-3 * |want|, or any beyond 5% of the output's range. Looser
-    than the golden check on purpose: it looks for a defect, not for a summation order."""
+    than the golden check on purpose: it looks for a defect, not for a summation order.
+
+    An integer ``got`` (a quantized output; ``want`` may hold its codes as floats, as the probe
+    member does) is compared in quantization steps: an element more than 1 step off is wrong
+    (implementations round the requantization differently by one step), and more than 0.1% wrong
+    or any more than 5% of the type's 256 codes off (12 steps) is a defect."""
     for j, (g, w) in enumerate(zip(got, want)):
         g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        if g64.shape != w64.shape or not np.all(np.isfinite(g64)):
+        if g64.shape != w64.shape or not np.all(np.isfinite(g64)) or not np.all(np.isfinite(w64)):
             return f"output {j}: shape {g64.shape} or non-finite values where onnxruntime gives {w64.shape}"
+        if np.issubdtype(np.asarray(g).dtype, np.integer):
+            steps = np.abs(g64 - w64)
+            wrong = float(np.mean(steps > 1)) if steps.size else 0.0
+            worst = float(steps.max()) if steps.size else 0.0
+            if wrong > 1e-3 or worst > 0.05 * 256:
+                return (f"output {j}: {wrong:.1%} of its elements differ from onnxruntime's by more than 1 "
+                        f"quantization step, at most {worst:.0f} steps")
+            continue
         diff = np.abs(g64 - w64)
         beyond = float(np.mean(diff > 1e-3 + 1e-3 * np.abs(w64))) if diff.size else 0.0
         scale = float(np.max(np.abs(w64))) if w64.size else 0.0
@@ -260,12 +320,12 @@ def _ints(v: Any, n: int, what: str) -> list[int]:
     return out
 
 
-def _shape_of(spec: Any, what: str) -> tuple[int, ...]:
+def _shape_of(spec: Any, what: str, dtypes: Sequence[str] = TENSOR_DTYPES) -> tuple[int, ...]:
     if not isinstance(spec, Mapping):
         raise UnsupportedOrder(f"{what}: expected {{shape, dtype}}, got {spec!r}")
     dtype = str(spec.get("dtype"))
-    if dtype != "float32":
-        raise UnsupportedOrder(f"{what} has dtype {dtype}: the Arm NN executor is float32-only")
+    if dtype not in dtypes:
+        raise UnsupportedOrder(f"{what} has dtype {dtype}: the Arm NN executor takes {', '.join(dtypes)}")
     try:
         shape = tuple(int(d) for d in spec.get("shape"))
     except (TypeError, ValueError):
@@ -275,6 +335,23 @@ def _shape_of(spec: Any, what: str) -> tuple[int, ...]:
     if any(d <= 0 for d in shape):
         raise UnsupportedOrder(f"{what} has shape {list(shape)}: empty or negative dimensions")
     return shape
+
+
+def _quant(spec: Mapping, what: str) -> orders.Quant | None:
+    """The spec's quant (None for float32), malformed ones refused in one line."""
+    try:
+        return orders.quant_of(spec, what)
+    except ValueError as e:
+        raise UnsupportedOrder(f"{e}; the order is malformed") from None
+
+
+def _per_tensor(q: orders.Quant, what: str, fix: str) -> tuple[float, int]:
+    """(scale, zero point) of a quant that is one per tensor (a per-axis one whose scales and zero
+    points are all equal is one too: the same reals); else UnsupportedOrder."""
+    if len(set(q.scale)) > 1 or len(set(q.zero_point)) > 1:
+        raise UnsupportedOrder(f"{what} has per-axis quantization ({len(q.scale)} scales on axis {q.axis}), which "
+                               f"pyarmnn's TensorInfo cannot hold (no SetQuantizationScales in 20.08 or 23.08): {fix}")
+    return q.scale[0], q.zero_point[0]
 
 
 # Resize: ONNX/TVM coordinate semantics vs Arm NN's, compared as 1-D index or weight maps.
@@ -423,7 +500,9 @@ class ArmnnExecutor:
         tensors = order.get("tensors")
         if not isinstance(tensors, Mapping):
             raise UnsupportedOrder(f"order {self.symbol} has no 'tensors' table")
+        self._order_tensors = tensors
         self._shapes = {str(n): _shape_of(spec, f"tensor {n!r}") for n, spec in tensors.items()}
+        self._qtypes = {str(n): self._tensor_qtype(spec, f"tensor {n!r}") for n, spec in tensors.items()}
         ins, outs = order.get("inputs") or [], order.get("outputs") or []
         if not ins or not outs:
             raise UnsupportedOrder(f"order {self.symbol} has no inputs or no outputs")
@@ -434,10 +513,19 @@ class ArmnnExecutor:
                 shape = _shape_of(s, f"{kind} {s.get('name')!r}")
                 if self._shapes.get(str(s["name"])) != shape:
                     raise UnsupportedOrder(f"{kind} {s['name']!r} shape {list(shape)} disagrees with the tensors table")
+                if str(s.get("dtype")) != str(tensors[str(s["name"])].get("dtype")):
+                    raise UnsupportedOrder(f"{kind} {s['name']!r} dtype {s.get('dtype')} disagrees with the "
+                                           "tensors table")
         for name, spec in self._weights_table.items():
-            _shape_of(spec, f"weight {name!r}")
+            _shape_of(spec, f"weight {name!r}", WEIGHT_DTYPES)
+        if orders.is_quantized(order) and order.get("order_version") == 1:   # (dtypes are known ones here)
+            raise UnsupportedOrder(f"order {self.symbol} is order_version 1 (float32 only) but has quantized "
+                                   "tensors; a quantized order is order_version 2")
         self.input_shapes = [self._shapes[n] for n in self.input_names]
         self.output_shapes = [self._shapes[n] for n in self.output_names]
+        # numpy dtypes run/run_into take and give: the order's (int8 codes stay int8)
+        self.input_dtypes = [np.dtype(str(tensors[n].get("dtype"))) for n in self.input_names]
+        self.output_dtypes = [np.dtype(str(tensors[n].get("dtype"))) for n in self.output_names]
 
         # build
         self._net = net = ann.INetwork()
@@ -490,13 +578,15 @@ class ArmnnExecutor:
     # --- running --------------------------------------------------------------------------
 
     def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        outputs = [np.empty(s, np.float32) for s in self.output_shapes]
+        outputs = [np.empty(s, d) for s, d in zip(self.output_shapes, self.output_dtypes)]
         self.run_into(inputs, outputs)
         return outputs
 
     def run_into(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> None:
-        """Run with caller-owned output buffers (DPS). C-contiguous float32 buffers are written by
-        Arm NN directly; anything else goes through a temporary and np.copyto."""
+        """Run with caller-owned output buffers (DPS). C-contiguous buffers of the order's dtype
+        (float32; int8/uint8 codes for quantized tensors) are written by Arm NN directly; anything
+        else goes through a temporary and np.copyto. A quantized input takes codes of its own
+        dtype only: casting floats to codes would drop the quantization silently."""
         if self._net_id is None:
             raise RuntimeError(f"Arm NN executor for {self.symbol} is closed")
         if len(inputs) != len(self._in_infos) or len(outputs) != len(self._out_infos):
@@ -509,8 +599,11 @@ class ArmnnExecutor:
             if a.size != self._in_sizes[i]:
                 raise ValueError(f"{self.symbol} input {i} ({self.input_names[i]}): expected shape "
                                  f"{list(self.input_shapes[i])}, got {list(a.shape)}")
-            if a.dtype != np.float32 or not a.flags.c_contiguous:
-                a = np.ascontiguousarray(a, dtype=np.float32)
+            want = self.input_dtypes[i]
+            if a.dtype != want and want.kind in "iu":
+                raise TypeError(f"{self.symbol} input {i} ({self.input_names[i]}) takes {want} codes, got {a.dtype}")
+            if a.dtype != want or not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a, dtype=want)
             if raw is not None:
                 t = raw.ConstTensor(self._in_infos[i], a)  # reads the caller's buffer in place
             else:
@@ -523,7 +616,7 @@ class ArmnnExecutor:
             if out.size != self._out_sizes[j]:
                 raise ValueError(f"{self.symbol} output {j} ({self.output_names[j]}): expected shape "
                                  f"{list(self.output_shapes[j])}, got {list(out.shape)}")
-            direct = (raw is not None and out.dtype == np.float32 and out.flags.c_contiguous
+            direct = (raw is not None and out.dtype == self.output_dtypes[j] and out.flags.c_contiguous
                       and out.flags.writeable)
             if direct:
                 t = raw.Tensor(self._out_infos[j], out)  # Arm NN writes into the caller's buffer
@@ -564,9 +657,23 @@ class ArmnnExecutor:
 
     # --- building -------------------------------------------------------------------------
 
-    def _info(self, shape: Sequence[int]):
+    def _info(self, shape: Sequence[int], q: QType | None = None):
         ann = self._ann
-        return ann.TensorInfo(ann.TensorShape(tuple(int(d) for d in shape)), ann.DataType_Float32)
+        if q is None:
+            return ann.TensorInfo(ann.TensorShape(tuple(int(d) for d in shape)), ann.DataType_Float32)
+        info = ann.TensorInfo(ann.TensorShape(tuple(int(d) for d in shape)), getattr(ann, f"DataType_{q.armnn}"))
+        info.SetQuantizationScale(float(q.scale))
+        info.SetQuantizationOffset(int(q.offset))
+        return info
+
+    @staticmethod
+    def _tensor_qtype(spec: Mapping, what: str) -> QType | None:
+        """The Arm NN type of an int8/uint8 tensor (None for float32): one scale and zero point."""
+        q = _quant(spec, what)
+        if q is None:
+            return None
+        scale, zp = _per_tensor(q, what, "Arm NN quantizes an activation per tensor")
+        return QType(_ARMNN_OF_ACT[str(spec.get("dtype"))], scale, zp)
 
     def _constant(self, info):
         """The info as a ConstTensor wants it (marked constant where the API asks for that)."""
@@ -574,14 +681,17 @@ class ArmnnExecutor:
             info.SetConstant(True)
         return info
 
-    def _set(self, layer, tensor: str | None = None, shape: Sequence[int] | None = None):
-        layer.GetOutputSlot(0).SetTensorInfo(self._info(self._shapes[tensor] if shape is None else shape))
+    def _set(self, layer, tensor: str | None = None, shape: Sequence[int] | None = None, q: QType | None = None):
+        """The layer's output info: the tensor's (shape and type), or ``shape`` of type ``q``."""
+        if tensor is not None:
+            shape, q = self._shapes[tensor], self._qtypes[tensor]
+        layer.GetOutputSlot(0).SetTensorInfo(self._info(shape, q))
         return layer.GetOutputSlot(0)
 
-    def _constant_layer(self, a: np.ndarray, name: str):
+    def _constant_layer(self, a: np.ndarray, name: str, q: QType | None = None):
         """A ConstantLayer holding ``a``; its output slot, whose info is constant where the API says."""
-        layer = self._net.AddConstantLayer(self._const(a), name)
-        layer.GetOutputSlot(0).SetTensorInfo(self._constant(self._info(a.shape)))
+        layer = self._net.AddConstantLayer(self._const(a, q), name)
+        layer.GetOutputSlot(0).SetTensorInfo(self._constant(self._info(a.shape, q)))
         return layer.GetOutputSlot(0)
 
     def _slot(self, name: str, where: str):
@@ -590,22 +700,24 @@ class ArmnnExecutor:
         except KeyError:
             raise UnsupportedOrder(f"{where} use tensor {name!r}, which no earlier op produces") from None
 
-    def _const(self, arr: np.ndarray):
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    def _const(self, arr: np.ndarray, q: QType | None = None):
+        arr = np.ascontiguousarray(arr, dtype=np.float32 if q is None else q.np_dtype)
         self._keep.append(arr)
-        return self._ann.ConstTensor(self._constant(self._info(arr.shape)), arr)
+        return self._ann.ConstTensor(self._constant(self._info(arr.shape, q)), arr)
 
-    def _weighted_layer(self, add, desc, name: str, weights: np.ndarray, bias: np.ndarray | None):
+    def _weighted_layer(self, add, desc, name: str, weights: np.ndarray, bias: np.ndarray | None,
+                        q: QuantOp | None = None):
         """A Convolution2d / DepthwiseConvolution2d / FullyConnected layer with its weights the
         way this API takes them: in the call (20.08) or as ConstantLayers on slots 1, 2 (23.08)."""
+        wq, bq = (None, None) if q is None else (q.kernel, q.bias)
         if not self._api.weights_as_inputs:
-            wt = self._const(weights)
-            return add(desc, wt, self._const(bias), name) if bias is not None else add(desc, wt, name=name)
+            wt = self._const(weights, wq)
+            return add(desc, wt, self._const(bias, bq), name) if bias is not None else add(desc, wt, name=name)
         layer = add(desc, name)
-        for slot, (role, a) in enumerate((("weights", weights), ("bias", bias)), start=1):
+        for slot, (role, a, aq) in enumerate((("weights", weights, wq), ("bias", bias, bq)), start=1):
             if a is None:
                 continue
-            self._constant_layer(a, f"{name}:{role}").Connect(layer.GetInputSlot(slot))
+            self._constant_layer(a, f"{name}:{role}", aq).Connect(layer.GetInputSlot(slot))
         return layer
 
     def _weight(self, name: str, where: str) -> np.ndarray:
@@ -614,13 +726,14 @@ class ArmnnExecutor:
         spec = self._weights_table.get(name)
         if spec is None:
             raise UnsupportedOrder(f"{where}: weight {name!r} is not in the order's weights table")
-        shape = _shape_of(spec, f"weight {name!r}")
+        shape = _shape_of(spec, f"weight {name!r}", WEIGHT_DTYPES)
+        dt = np.dtype(str(spec.get("dtype"))).newbyteorder("<")   # the blob is little-endian
         offset, nbytes = int(spec.get("offset", -1)), int(spec.get("nbytes", -1))
         count = math.prod(shape)
-        if nbytes != 4 * count or offset < 0 or offset + nbytes > len(self._blob):
+        if nbytes != dt.itemsize * count or offset < 0 or offset + nbytes > len(self._blob):
             raise UnsupportedOrder(f"{where}: weight {name!r} (offset {offset}, {nbytes} bytes, shape "
                                    f"{list(shape)}) does not fit the {len(self._blob)}-byte blob")
-        a = np.frombuffer(self._blob, dtype="<f4", count=count, offset=offset).reshape(shape)
+        a = np.frombuffer(self._blob, dtype=dt, count=count, offset=offset).reshape(shape)
         if not a.flags.aligned:
             a = a.copy()
         self._weights_cache[name] = a
@@ -638,25 +751,81 @@ class ArmnnExecutor:
         ins = [self._slot(str(n), where) for n in (op.get("inputs") or [])]
         in_shapes = [self._shapes[str(n)] for n in (op.get("inputs") or [])]
         attrs = op.get("attrs") or {}
+        wts = op.get("weights") or {}
+        q = self._quant_op(where, typ, op, attrs, wts)
+        extra = {} if q is None else {"q": q}   # only the QUANT_OPS handlers take one
         if (typ == "conv2d" and attrs.get("depthwise") and self._api.depthwise_own_input and ins
                 and self._readers[str(op["inputs"][0])] > 1):
-            ins[0] = self._copy(f"{k}:copy", ins[0], in_shapes[0])
+            ins[0] = self._copy(f"{k}:copy", ins[0], in_shapes[0], None if q is None else q.x)
         if typ == "concat" and self._api.concat_by_copy and len(ins) > 1:
             # Arm NN writes a concat's inputs in place only when each has no other reader
             j = min(range(len(ins)), key=lambda i: math.prod(in_shapes[i]))
             bid = SCRATCH_BINDING + len(self._scratch_ids)
             ins[j].Connect(self._net.AddOutputLayer(bid, f"{k}:scratch").GetInputSlot(0))
             self._scratch_ids.append(bid)
-        wts = op.get("weights") or {}
-        slot = handler(where, f"{k}:{typ}:{out}", ins, in_shapes, self._shapes[out], attrs, wts)
+        slot = handler(where, f"{k}:{typ}:{out}", ins, in_shapes, self._shapes[out], attrs, wts, **extra)
         self._slots[out] = slot
+
+    def _quant_op(self, where: str, typ: str, op: Mapping[str, Any], attrs: Mapping[str, Any],
+                  wts: Mapping[str, str]) -> QuantOp | None:
+        """None for an op of float32 tensors and weights; the types of a quantized conv2d/dense
+        (order_version 2's semantics: x int8/uint8, kernel int8, bias int32, y of x's dtype, a
+        fused relu/clip); UnsupportedOrder for anything else quantized."""
+        names = [str(n) for n in op.get("inputs") or []] + [str(op.get("output"))]
+        tq = [self._qtypes[n] for n in names]
+        wspecs = {r: self._weights_table.get(n) for r, n in wts.items() if n}
+        wdtype = {r: str(sp.get("dtype")) for r, sp in wspecs.items() if isinstance(sp, Mapping)}
+        if all(t is None for t in tq) and all(d == "float32" for d in wdtype.values()):
+            return None
+        if typ not in QUANT_OPS:
+            raise UnsupportedOrder(f"{where}: a quantized {typ} is not supported yet (order_version 2 quantizes "
+                                   f"{' and '.join(QUANT_OPS)} only; leave it float32)")
+        if len(tq) != 2 or any(t is None for t in tq):
+            raise UnsupportedOrder(f"{where}: mixes float32 and quantized tensors; a quantized {typ} has an "
+                                   "int8/uint8 input and output")
+        x, y = tq
+        if x.armnn != y.armnn:
+            raise UnsupportedOrder(f"{where}: {self._tensor_dtype(names[0])} input, {self._tensor_dtype(names[1])} "
+                                   f"output; a quantized {typ}'s output has its input's dtype")
+        if missing := sorted(str(wts[r]) for r, sp in wspecs.items() if sp is None):
+            raise UnsupportedOrder(f"{where}: weight(s) {missing} are not in the order's weights table")
+        if wdtype.get("kernel") != "int8" or wdtype.get("bias", "int32") != "int32":
+            raise UnsupportedOrder(f"{where}: a quantized {typ} takes an int8 kernel and an int32 bias, not "
+                                   f"{wdtype.get('kernel')} and {wdtype.get('bias', 'none')}")
+        act = attrs.get("activation")
+        if act is not None and str(act.get("kind")) not in ("relu", "clip"):
+            raise UnsupportedOrder(f"{where}: {act.get('kind')} fused into a quantized {typ}; only relu and clip are "
+                                   "(the others have no quantized semantics in order_version 2)")
+        fix = "quantize the kernel per tensor, or run this order on onnxruntime"
+        kq = _quant(wspecs["kernel"], f"{where} kernel")
+        sw, zw = _per_tensor(kq, f"{where}: the kernel", fix)
+        if zw != 0:
+            raise UnsupportedOrder(f"{where}: kernel zero point {zw}; order_version 2 kernels are symmetric (0)")
+        # the kernel in the activation's type (module doc: what ACL takes); uint8: codes + 128
+        shift = 128 if x.armnn == "QAsymmU8" else 0
+        kernel = QType(x.armnn, sw, shift)
+        bias = None
+        if "bias" in wspecs:
+            bq = _quant(wspecs["bias"], f"{where} bias")
+            sb, zb = _per_tensor(bq, f"{where}: the bias", fix)
+            if zb != 0 or abs(sb - x.scale * sw) > 1e-5 * x.scale * sw:
+                raise UnsupportedOrder(f"{where}: bias scale {sb:.6g} / zero point {zb} is not input scale x kernel "
+                                       f"scale {x.scale * sw:.6g} / 0; the order is malformed")
+            # the float32 product Arm NN checks the bias scale against (within 1e-6)
+            bias = QType("Signed32", float(np.float32(x.scale) * np.float32(sw)), 0)
+        return QuantOp(x, y, kernel, bias, shift)
+
+    def _tensor_dtype(self, name: str) -> str:
+        return str(self._order_tensors[name].get("dtype"))
 
     def _need_inputs(self, where: str, ins: list, n: int) -> None:
         if len(ins) != n:
             raise UnsupportedOrder(f"{where}: expected {n} input(s), got {len(ins)}")
 
-    def _activation(self, where: str, name: str, slot, shape, act: Mapping[str, Any] | None):
-        """Append an ActivationLayer for the order's activation object (None: nothing)."""
+    def _activation(self, where: str, name: str, slot, shape, act: Mapping[str, Any] | None,
+                    q: QType | None = None):
+        """Append an ActivationLayer for the order's activation object (None: nothing); ``q``: the
+        quantized type it computes in (relu/clip on a quantized op's output)."""
         if act is None:
             return slot
         ann = self._ann
@@ -704,22 +873,28 @@ class ArmnnExecutor:
             raise UnsupportedOrder(f"{where}: activation kind {kind!r} has no Arm NN equivalent")
         layer = self._net.AddActivationLayer(d, f"{name}:{kind}")
         slot.Connect(layer.GetInputSlot(0))
-        return self._set(layer, shape=shape)
+        return self._set(layer, shape=shape, q=q)
 
-    def _copy(self, name: str, slot, shape):
-        """The tensor copied by an identity activation (a layer with an input of its own)."""
+    def _copy(self, name: str, slot, shape, q: QType | None = None):
+        """The tensor copied by an identity activation (a layer with an input of its own). A
+        quantized one is a BoundedReLu over every code's real value: ACL has no quantized Linear."""
         ann = self._ann
         d = ann.ActivationDescriptor()
-        d.m_Function, d.m_A, d.m_B = ann.ActivationFunction_Linear, 1.0, 0.0
+        if q is None:
+            d.m_Function, d.m_A, d.m_B = ann.ActivationFunction_Linear, 1.0, 0.0
+        else:
+            lo, hi = orders.QUANT_DTYPES["int8" if q.np_dtype is np.int8 else "uint8"]
+            d.m_Function = ann.ActivationFunction_BoundedReLu   # min(m_A, max(m_B, x))
+            d.m_A, d.m_B = (hi - q.offset) * q.scale, (lo - q.offset) * q.scale
         layer = self._net.AddActivationLayer(d, name)
         slot.Connect(layer.GetInputSlot(0))
-        return self._set(layer, shape=shape)
+        return self._set(layer, shape=shape, q=q)
 
-    def _reshape(self, name: str, slot, shape):
+    def _reshape(self, name: str, slot, shape, q: QType | None = None):
         ann = self._ann
         layer = self._net.AddReshapeLayer(ann.ReshapeDescriptor(ann.TensorShape(tuple(shape))), name)
         slot.Connect(layer.GetInputSlot(0))
-        return self._set(layer, shape=shape)
+        return self._set(layer, shape=shape, q=q)
 
     def _permute(self, name: str, slot, in_shape, axes):
         """numpy-style transpose(axes): a Transpose layer where the binding has one; else Permutes
@@ -752,7 +927,7 @@ class ArmnnExecutor:
 
     # one method per op type: (where, name, input slots, input shapes, output shape, attrs, weights)
 
-    def _op_conv2d(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+    def _op_conv2d(self, where, name, ins, in_shapes, out_shape, attrs, wts, q: QuantOp | None = None):
         ann = self._ann
         self._need_inputs(where, ins, 1)
         x_shape = in_shapes[0]
@@ -764,6 +939,8 @@ class ArmnnExecutor:
         kernel = self._weight(wts["kernel"], where)
         if kernel.ndim != 4:
             raise UnsupportedOrder(f"{where}: conv2d kernel must be rank 4, is {list(kernel.shape)}")
+        if q is not None:
+            kernel = q.kernel_codes(kernel)
         bias = self._weight(wts["bias"], where) if wts.get("bias") else None
         sh, sw = _ints(attrs.get("strides", [1, 1]), 2, f"{where} strides")
         pt, pl, pb, pr = _ints(attrs.get("padding", [0, 0, 0, 0]), 4, f"{where} padding")
@@ -797,12 +974,13 @@ class ArmnnExecutor:
         d.m_DilationY, d.m_DilationX = dh, dw
         d.m_BiasEnabled = bias is not None
         add = self._net.AddDepthwiseConvolution2dLayer if depthwise else self._net.AddConvolution2dLayer
-        layer = self._weighted_layer(add, d, name, w, bias)
+        layer = self._weighted_layer(add, d, name, w, bias, q)
         ins[0].Connect(layer.GetInputSlot(0))
-        slot = self._set(layer, shape=out_shape)
-        return self._activation(where, name, slot, out_shape, attrs.get("activation"))
+        yq = None if q is None else q.y
+        slot = self._set(layer, shape=out_shape, q=yq)
+        return self._activation(where, name, slot, out_shape, attrs.get("activation"), yq)
 
-    def _op_dense(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+    def _op_dense(self, where, name, ins, in_shapes, out_shape, attrs, wts, q: QuantOp | None = None):
         ann = self._ann
         self._need_inputs(where, ins, 1)
         if "kernel" not in wts:
@@ -810,6 +988,8 @@ class ArmnnExecutor:
         kernel = self._weight(wts["kernel"], where)
         if kernel.ndim != 2:
             raise UnsupportedOrder(f"{where}: dense kernel must be [N, K], is {list(kernel.shape)}")
+        if q is not None:
+            kernel = q.kernel_codes(kernel)
         n, kdim = kernel.shape
         bias = self._weight(wts["bias"], where) if wts.get("bias") else None
         if bias is not None and bias.shape != (n,):
@@ -824,17 +1004,18 @@ class ArmnnExecutor:
             raise UnsupportedOrder(f"{where}: dense kernel {list(kernel.shape)} does not fit input {list(x_shape)}")
         if math.prod(out_shape) != rows * n:
             raise UnsupportedOrder(f"{where}: dense output {list(out_shape)} is not {rows} x {n}")
+        xq, yq = (None, None) if q is None else (q.x, q.y)
         if tuple(x_shape) != (rows, kdim):
-            slot = self._reshape(f"{name}:flatten", slot, (rows, kdim))
+            slot = self._reshape(f"{name}:flatten", slot, (rows, kdim), xq)
         d = ann.FullyConnectedDescriptor()
         d.m_BiasEnabled = bias is not None
         d.m_TransposeWeightMatrix = True  # weights are [N, K]
-        layer = self._weighted_layer(self._net.AddFullyConnectedLayer, d, name, kernel, bias)
+        layer = self._weighted_layer(self._net.AddFullyConnectedLayer, d, name, kernel, bias, q)
         slot.Connect(layer.GetInputSlot(0))
-        slot = self._set(layer, shape=(rows, n))
-        slot = self._activation(where, name, slot, (rows, n), attrs.get("activation"))
+        slot = self._set(layer, shape=(rows, n), q=yq)
+        slot = self._activation(where, name, slot, (rows, n), attrs.get("activation"), yq)
         if tuple(out_shape) != (rows, n):
-            slot = self._reshape(f"{name}:unflatten", slot, out_shape)
+            slot = self._reshape(f"{name}:unflatten", slot, out_shape, yq)
         return slot
 
     def _op_activation(self, where, name, ins, in_shapes, out_shape, attrs, wts):

@@ -4,9 +4,10 @@ The universal executor and the host stand-in for ACL: any board with onnxruntime
 
 ``run_into`` binds the caller's buffers with an IOBinding (OrtValues over the numpy views'
 memory), so onnxruntime reads the VM's input buffers and writes straight into its DPS output
-buffers: no copies on either side. The binding is kept while the buffers stay the same (the VM
-reuses its storage from run to run). ``zero_copy=False`` gives the plain ``session.run`` + copy
-path, kept for comparison (tests/test_agent_runtime.py measures both).
+buffers: no copies on either side. Buffers are bound with the order's dtypes (float32, or the
+int8/uint8 codes of a quantized order's tensors). The binding is kept while the buffers stay the
+same (the VM reuses its storage from run to run). ``zero_copy=False`` gives the plain
+``session.run`` + copy path, kept for comparison (tests/test_agent_runtime.py measures both).
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _bindable(a: np.ndarray) -> bool:
-    return a.dtype == np.float32 and a.flags.c_contiguous
+# an order dtype -> the type onnxruntime names for an ONNX graph's input/output of it
+_ORT_TYPES = {"float32": "tensor(float)", "int8": "tensor(int8)", "uint8": "tensor(uint8)", "int32": "tensor(int32)"}
+
+
+def _bindable(a: np.ndarray, dtype: np.dtype) -> bool:
+    return a.dtype == dtype and a.flags.c_contiguous
 
 
 class OrtExecutor:
@@ -57,6 +62,13 @@ class OrtExecutor:
         if have_in != self.in_names or have_out != self.out_names:
             raise ValueError(f"the order's ONNX graph has inputs {have_in} and outputs {have_out}, "
                              f"the order says {self.in_names} and {self.out_names}")
+        specs = [*order["inputs"], *order["outputs"]]
+        self._dtypes = [np.dtype(str(s.get("dtype", "float32"))) for s in specs]
+        for spec, arg in zip(specs, [*self.session.get_inputs(), *self.session.get_outputs()]):
+            want = _ORT_TYPES.get(str(spec.get("dtype", "float32")))
+            if arg.type != want:   # a binding of the wrong type would reinterpret the bytes
+                raise ValueError(f"the order's ONNX graph has {arg.name!r} as {arg.type}, the order says "
+                                 f"{spec.get('dtype', 'float32')}")
         self.in_shapes = [tuple(int(d) for d in i["shape"]) for i in order["inputs"]]
         self.out_shapes = [tuple(int(d) for d in o["shape"]) for o in order["outputs"]]
         self.backend = "CPUExecutionProvider"
@@ -72,8 +84,9 @@ class OrtExecutor:
         return self.session.run(self.out_names, dict(zip(self.in_names, inputs)))
 
     def run_into(self, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
-        if self.zero_copy and all(map(_bindable, inputs)) and all(out.flags.writeable and _bindable(out)
-                                                                 for out in outputs):
+        n_in = len(inputs)
+        if (self.zero_copy and all(_bindable(a, d) for a, d in zip(inputs, self._dtypes))
+                and all(out.flags.writeable and _bindable(out, d) for out, d in zip(outputs, self._dtypes[n_in:]))):
             self._run_bound(inputs, outputs)
             self.last_zero_copy = True
             return
@@ -98,10 +111,11 @@ class OrtExecutor:
         for k, a in enumerate(arrays):
             p = a.ctypes.data
             if p != bound[k]:  # (re)bind only what moved: the VM mostly reuses its buffers
+                dtype = self._dtypes[k].type
                 if k < n_in:
-                    b.bind_input(self.in_names[k], "cpu", 0, np.float32, self._lists[k], p)
+                    b.bind_input(self.in_names[k], "cpu", 0, dtype, self._lists[k], p)
                 else:
-                    b.bind_output(self.out_names[k - n_in], "cpu", 0, np.float32, self._lists[k], p)
+                    b.bind_output(self.out_names[k - n_in], "cpu", 0, dtype, self._lists[k], p)
                 bound[k] = p
         t0 = time.perf_counter_ns()
         self.session.run_with_iobinding(b)

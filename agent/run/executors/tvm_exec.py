@@ -1,9 +1,9 @@
 """The tvm executor: the order's region compiled by TVM into the bundle, for boards that have
 neither Arm NN nor onnxruntime. Slow (untuned loops) but always there.
 
-Inputs are handed to the fallback VM as dlpack views of the caller's buffers (no copy); the
-fallback function allocates its own result (it is not in DPS form), which is copied once into
-the caller's output buffer.
+Inputs are handed to the fallback VM as dlpack views of the caller's buffers (no copy) when they
+have the order's dtype (float32, or int8/uint8 codes); the fallback function allocates its own
+result (it is not in DPS form), which is copied once into the caller's output buffer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class TvmExecutor:
         if params:
             raw = [tvm.runtime.tensor(np.ascontiguousarray(p), self.dev) for p in params]
             self._params = list(self.vm["main_transform_params"](raw))
+        # the order's input dtypes: what the fallback's main takes (int8 codes stay int8)
+        self._in_dtypes = [np.dtype(str(i.get("dtype", "float32"))) for i in order["inputs"]]
         self.backend = "llvm"
         self.last_run_ns = 0
         self.last_zero_copy = False  # the fallback function allocates its result: one copy out
@@ -47,12 +49,16 @@ class TvmExecutor:
         return list(out) if not hasattr(out, "numpy") else [out]
 
     def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        args = [self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=np.float32), self.dev) for a in inputs]
+        args = [self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=d), self.dev)
+                for a, d in zip(inputs, self._in_dtypes)]
         return [o.numpy() for o in self._call(args)]
 
     def run_into(self, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
-        args = [self._from_dlpack(a) if a.flags.c_contiguous and a.dtype == np.float32
-                else self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=np.float32), self.dev) for a in inputs]
+        # a view needs the order's dtype and the 64-byte alignment TVM's from_dlpack insists on
+        # (the VM's buffers have it; numpy's own allocations often do not): else one copy
+        args = [self._from_dlpack(a) if a.flags.c_contiguous and a.dtype == d and a.ctypes.data % 64 == 0
+                else self._tvm.runtime.tensor(np.ascontiguousarray(a, dtype=d), self.dev)
+                for a, d in zip(inputs, self._in_dtypes)]
         for dst, src in zip(outputs, self._call(args)):
             np.copyto(dst, np.from_dlpack(src).reshape(dst.shape))
 

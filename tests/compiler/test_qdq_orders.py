@@ -1,0 +1,95 @@
+"""Quantized orders (order_version 2): a QDQ model's convolutions and dense layers are delegated as
+int8 kernels (int8 activations and weights, int32 biases), not as float32 between dequantize and
+quantize. The reference is onnxruntime running the QDQ model onnxruntime's own quantizer made.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from support.cli import manifest_of, run_cli
+from support.qdq import quantized_small_cnn
+from tandoor_compiler import acl
+from tandoor_contract import hmod, orders
+
+RNG = np.random.default_rng(20261202)
+
+
+@pytest.fixture(scope="module", params=[("per-channel", "int8"), ("per-tensor", "int8"), ("per-channel", "uint8")],
+                ids=lambda p: "-".join(p))
+def qdq(request, tmp_path_factory) -> tuple[str, str, object]:
+    """The small CNN quantized by onnxruntime (QDQ, int8 weights) and compiled with every region
+    delegated: (weights, activations, paths)."""
+    weights, acts = request.param
+    d = tmp_path_factory.mktemp("qdq")
+    fp32, q = quantized_small_cnn(d, per_channel=weights == "per-channel", activations=acts)
+    out = d / "small.qdq.hmod"
+    res = run_cli("tandoor", "compile", str(q), "-o", str(out), "-q", "--policy", "all", "--measure", "off")
+    assert res.returncode == 0, res.stderr
+    return weights, acts, {"fp32": fp32, "qdq": q, "hmod": out}
+
+
+def _quantized_orders(path) -> list[dict]:
+    b = hmod.open_bundle(path)
+    return [b.order(p["symbol"]) for p in b.manifest["partitions"] if p["delegate"]
+            and b.order(p["symbol"])["order_version"] == 2]
+
+
+def test_int8_grid_recovers_the_codes_and_scales_of_a_folded_dequantize():
+    codes = RNG.integers(-128, 128, (16, 3, 3, 8)).astype(np.int8)
+    scales = RNG.uniform(1e-3, 1e-1, 16).astype(np.float32)
+    folded = codes.astype(np.float32) * scales[:, None, None, None]       # what FoldConstant leaves
+    got, q = acl.weight_grid(folded, 0)
+    assert q.axis == 0 and len(q.scale) == 16 and got.dtype == np.int8
+    back = got.astype(np.float64) * np.asarray(q.scale)[:, None, None, None]
+    np.testing.assert_allclose(back, folded, rtol=1e-6, atol=0)
+    # one scale for the whole tensor when one fits (what Arm NN's bindings take)
+    got, q = acl.weight_grid(codes.astype(np.float32) * np.float32(0.02), 0)
+    assert q.axis is None and np.abs(got.astype(np.float64) * q.scale[0] - codes * 0.02).max() < 1e-6
+    # a float weight is no grid: such a conv stays a float one
+    assert acl.weight_grid(RNG.standard_normal((16, 3, 3, 8)).astype(np.float32), 0) is None
+
+
+def test_the_convs_and_the_dense_layer_become_int8_orders(qdq):
+    weights, acts, paths = qdq
+    qorders = _quantized_orders(paths["hmod"])
+    ops = [op for o in qorders for op in o["ops"]]
+    assert sorted(op["type"] for op in ops) == ["conv2d", "conv2d", "conv2d", "dense"]
+    for o in qorders:
+        for n, t in o["tensors"].items():
+            assert t["dtype"] == acts and len(orders.quant_of(t, n).scale) == 1
+    kernels = [o["weights"][op["weights"]["kernel"]] for o in qorders for op in o["ops"]]
+    biases = [o["weights"][op["weights"]["bias"]] for o in qorders for op in o["ops"]]
+    assert all(k["dtype"] == "int8" and k["nbytes"] == int(np.prod(k["shape"])) for k in kernels)
+    assert all(b["dtype"] == "int32" for b in biases)
+    per_axis = {orders.quant_of(k).axis is not None for k in kernels}
+    assert per_axis == ({True} if weights == "per-channel" else {False})
+    man = manifest_of(paths["hmod"])
+    conv_flops = 2 * (16 * 16 * 16 * 27 + 16 * 16 * 16 * 9 + 16 * 16 * 16 * 16) + 2 * 16 * 10
+    # the MACs, and the elementwise work riding along (bias, dequantize, quantize: one per element)
+    assert conv_flops <= man["flops_delegated_int8"] <= 1.1 * conv_flops
+    assert "int8 kernels for" in man["quantized"]["compute"]
+    # the TVM fallbacks take the orders' int8 bytes: the kernels are stored once, as int8
+    b = hmod.open_bundle(paths["hmod"])
+    fb = [f for p in b.manifest["partitions"] for f in p.get("fallback_params", [])]
+    shapes = {tuple(k["shape"]) for k in kernels}
+    as_kernels = [f for f in fb if tuple(f["shape"]) in shapes]
+    assert len(as_kernels) == len(kernels)
+    assert all(f["dtype"] == "int8" and f["member"].startswith("orders/") for f in as_kernels)
+
+
+@pytest.mark.parametrize("delegate", ["onnxruntime", "armnn", "tvm"])
+def test_the_int8_bundle_matches_onnxruntimes_int8_run_on_each_executor(qdq, delegate):
+    """verify against the QDQ model in onnxruntime within the manifest's tolerance (quantization
+    steps); Arm NN (CpuRef here) takes per-tensor weights only: a per-channel order is refused and
+    falls back, which verify's executor report says."""
+    weights, acts, paths = qdq
+    res = run_cli("tandoor", "verify", str(paths["hmod"]), "--reference", str(paths["qdq"]), "--delegate", delegate,
+                  "--json", env={"TANDOOR_ARMNN_CHECK": "all"})
+    rep = json.loads(res.stdout)
+    assert res.returncode == 0 and rep["ok"] and rep["max_abs_err"] <= rep["atol"], res.stdout + res.stderr
+    step = manifest_of(paths["hmod"])["quantized"]["steps"]["logits"]
+    assert rep["atol"] <= 5 * step
