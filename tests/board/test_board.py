@@ -468,3 +468,29 @@ def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_d
                                                                   score_tol=BOARD_SCORE_TOL)]
         print(f"{name} on {img}: {len(ours)} detection(s) on armnn/CpuAcc, {board.describe}")
     assert not problems, "\n".join(problems)
+
+
+def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bundles_dir, tmp_path):
+    """A QDQ model with per-tensor int8 weights (what pyarmnn can express): its quantized orders
+    (order_version 2) run on Arm NN with every layer on CpuAcc (ACL's int8 kernels), and the output
+    is within the manifest's tolerance, in quantization steps of the output, of onnxruntime's run of
+    the QDQ model on the host."""
+    from support.qdq import quantized_small_cnn
+
+    _, q = quantized_small_cnn(tmp_path, per_channel=False, activations="int8")
+    bundle = compiled("small_int8", q, bundles_dir, "--policy", "all")
+    with hmod.open_bundle(bundle) as b:
+        quantized = {p["symbol"] for p in b.manifest["partitions"]
+                     if p["delegate"] and b.order(p["symbol"])["order_version"] == 2}
+    assert len(quantized) >= 2
+    report, outs, secs = run_on_board(board, bundle, tmp_path, "--delegate", "armnn")
+    for sg in report["subgraphs"]:
+        if sg["symbol"] in quantized:
+            assert sg["executor"] == "armnn" and sg["backend"] == "CpuAcc", sg
+            assert set(sg.get("layers") or {}) == {"CpuAcc"}, sg
+    man = manifest_of(bundle)
+    step, atol = man["quantized"]["steps"]["logits"], man["tolerance"]["atol"]
+    diff = float(np.abs(outs[0].astype(np.float64) - reference(bundle)[0]).max())
+    assert diff <= atol, f"INT8 on CpuAcc is {diff / step:.1f} steps from onnxruntime's QDQ run (tolerance {atol / step:.0f})"
+    print(f"small CNN INT8 on armnn/CpuAcc ({board.describe}): {diff / step:.0f} step(s) from onnxruntime's QDQ "
+          f"run, tolerance {atol / step:.0f}; {secs:.1f} s")
