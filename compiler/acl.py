@@ -530,17 +530,20 @@ def _op(m: Match, type_: str, inputs: list[str], attrs: dict, weights: dict | No
     return op
 
 
+def _conv_attrs(m: Match, conv: relax.Call) -> dict:
+    """A conv2d order op's attrs (float and quantized alike)."""
+    a = conv.attrs
+    groups = int(a.groups)
+    return {"strides": _ints(a.strides), "padding": _ints(a.padding), "dilation": _ints(a.dilation),
+            "groups": groups, "depthwise": groups != 1 and groups == _shape(conv.args[0])[3], "activation": _act_of(m)}
+
+
 def emit_conv2d(m: Match) -> list[dict]:
     conv = m.call("relax.nn.conv2d")
-    a = conv.attrs
-    cin = _shape(conv.args[0])[3]
-    groups = int(a.groups)
     weights = {"kernel": m.add_weight(_const(conv.args[1]), "kernel")}
     if m.variant.startswith("conv2d_bias"):
         weights["bias"] = m.add_weight(_const(m.call("relax.add").args[1]).reshape(-1), "bias")
-    attrs = {"strides": _ints(a.strides), "padding": _ints(a.padding), "dilation": _ints(a.dilation),
-             "groups": groups, "depthwise": groups != 1 and groups == cin, "activation": _act_of(m)}
-    return [_op(m, "conv2d", [m.name_of(conv.args[0])], attrs, weights)]
+    return [_op(m, "conv2d", [m.name_of(conv.args[0])], _conv_attrs(m, conv), weights)]
 
 
 def emit_conv2d_transpose(m: Match) -> list[dict]:
@@ -719,7 +722,7 @@ def weight_grid(w: np.ndarray, axis: int) -> tuple[np.ndarray, orders.Quant] | N
     return None
 
 
-def _qparams(scale: relax.Expr, zp: relax.Expr, dtype: str) -> orders.Quant:
+def _qparams(scale: relax.Expr, zp: relax.Expr) -> orders.Quant:
     return orders.Quant((float(_const(scale).reshape(())),), (int(_const(zp).reshape(())),))
 
 
@@ -780,30 +783,23 @@ def _quantized_weights(m: Match, kernel: np.ndarray) -> dict:
     """The int8 kernel, the int32 bias (scale: input scale x kernel scale) and the activations'
     quant, registered with the order."""
     dq, q = m.call("relax.dequantize"), m.call("relax.quantize")
-    q_in = _qparams(dq.args[1], dq.args[2], _dtype(dq.args[0]))
+    q_in = _qparams(dq.args[1], dq.args[2])
     m.set_quant(m.name_of(dq.args[0]), q_in)
-    m.set_quant(m.out, _qparams(q.args[1], q.args[2], _dtype(q)))
+    m.set_quant(m.out, _qparams(q.args[1], q.args[2]))
     codes, kq = weight_grid(kernel, 0)
     weights = {"kernel": m.add_weight(codes, "kernel", kq)}
     if "_bias" in m.variant:
         b = _const(m.call("relax.add").args[1]).reshape(-1).astype(np.float64)
         bscale = np.asarray(kq.scale) * q_in.scale[0]
-        bscale = np.broadcast_to(bscale, b.shape)
-        bq = np.clip(np.round(b / bscale), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
-        weights["bias"] = m.add_weight(bq, "bias", orders.Quant(tuple(float(x) for x in np.asarray(kq.scale) * q_in.scale[0]),
-                                                               (0,) * len(kq.scale), kq.axis))
+        bq = np.clip(np.round(b / np.broadcast_to(bscale, b.shape)), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+        weights["bias"] = m.add_weight(bq, "bias", orders.Quant(tuple(float(x) for x in bscale), (0,) * len(kq.scale), kq.axis))
     return weights
 
 
 def emit_qconv2d(m: Match) -> list[dict]:
     conv = m.call("relax.nn.conv2d")
-    a = conv.attrs
-    cin = _shape(conv.args[0])[3]
-    groups = int(a.groups)
     weights = _quantized_weights(m, _conv_kernel(conv))
-    attrs = {"strides": _ints(a.strides), "padding": _ints(a.padding), "dilation": _ints(a.dilation),
-             "groups": groups, "depthwise": groups != 1 and groups == cin, "activation": _act_of(m)}
-    return [_op(m, "conv2d", [m.name_of(m.call("relax.dequantize").args[0])], attrs, weights)]
+    return [_op(m, "conv2d", [m.name_of(m.call("relax.dequantize").args[0])], _conv_attrs(m, conv), weights)]
 
 
 def emit_qdense(m: Match) -> list[dict]:

@@ -280,12 +280,6 @@ class _Renderer:
     # such group into its integer kernels (QLinearConv, QGemm); layout transposes act on the int8
     # tensors, outside the group.
 
-    def quant(self, name: str, spec: dict) -> orders.Quant | None:
-        try:
-            return orders.quant_of(spec, name)
-        except ValueError as err:
-            raise ValueError(str(err)) from None
-
     def qparams(self, q: orders.Quant, dtype: str, base: str, zero_point: bool = True) -> list[str]:
         per_axis = q.axis is not None
         scale = np.array(q.scale if per_axis else q.scale[0], np.float32)
@@ -305,7 +299,7 @@ class _Renderer:
         if name is None:
             return None
         spec = self.wtable[name]
-        q = self.quant(f"weight {name}", spec)
+        q = orders.quant_of(spec, f"weight {name}")
         if q is None:
             raise ValueError(f"{op['type']} -> {op['output']}: a quantized op with a float32 {role}")
         w = self.weight(op, role, transform, tag, perm)
@@ -314,7 +308,7 @@ class _Renderer:
     def op_quant(self, op: dict) -> tuple[orders.Quant, orders.Quant] | None:
         """(input quant, output quant) of a quantized conv2d/dense; None for a float op."""
         x, y = op["inputs"][0], op["output"]
-        qx, qy = self.quant(x, self.tensors[x]), self.quant(y, self.tensors[y])
+        qx, qy = orders.quant_of(self.tensors[x], x), orders.quant_of(self.tensors[y], y)
         if qx is None and qy is None:
             return None
         if qx is None or qy is None or self.tensors[x]["dtype"] != self.tensors[y]["dtype"]:
@@ -348,11 +342,7 @@ class _Renderer:
         b = self.weight(op, "bias", lambda v: v.reshape(-1))
         if b is not None:
             ins.append(b)
-        y = self.node("Conv", ins, self.fresh(f"{op['output']}__conv"),
-                      kernel_shape=list(kernel.shape[1:3]),
-                      strides=[int(s) for s in a.get("strides", [1, 1])],
-                      pads=_pads(a.get("padding", [0]), f"conv2d -> {op['output']}"),
-                      dilations=[int(d) for d in a.get("dilation", [1, 1])], group=groups)
+        y = self.conv_node(op, ins, kernel, groups)
         self.produce_nchw(op, y, a.get("activation"))
 
     def _op_conv2d_transpose(self, op: dict) -> None:
@@ -397,6 +387,13 @@ class _Renderer:
         self.node("Pad", [self.nhwc(x), self.const(pads, f"{op['output']}__pads"), value], self.output(op),
                   mode="constant")
 
+    def conv_node(self, op: dict, ins: list[str], kernel: np.ndarray, groups: int) -> str:
+        a = op["attrs"]
+        return self.node("Conv", ins, self.fresh(f"{op['output']}__conv"), kernel_shape=list(kernel.shape[1:3]),
+                         strides=[int(s) for s in a.get("strides", [1, 1])],
+                         pads=_pads(a.get("padding", [0]), f"conv2d -> {op['output']}"),
+                         dilations=[int(d) for d in a.get("dilation", [1, 1])], group=groups)
+
     def _qconv2d(self, op: dict, qx: orders.Quant, qy: orders.Quant) -> None:
         a = op["attrs"]
         x = op["inputs"][0]
@@ -409,11 +406,7 @@ class _Renderer:
         ins = [xf, self.qweight(op, "kernel", lambda k: k.transpose(0, 3, 1, 2), "oihw", [0, 3, 1, 2], axis=0)]
         if (b := self.qweight(op, "bias", axis=0)) is not None:
             ins.append(b)
-        y = self.node("Conv", ins, self.fresh(f"{op['output']}__conv"),
-                      kernel_shape=list(kernel.shape[1:3]),
-                      strides=[int(s) for s in a.get("strides", [1, 1])],
-                      pads=_pads(a.get("padding", [0]), f"conv2d -> {op['output']}"),
-                      dilations=[int(d) for d in a.get("dilation", [1, 1])], group=groups)
+        y = self.conv_node(op, ins, kernel, groups)
         self.produce_nchw(op, self.requantize(op, y, a.get("activation"), qy), None)
 
     def _qdense(self, op: dict, qx: orders.Quant, qy: orders.Quant) -> None:
