@@ -337,8 +337,16 @@ def test_gstreamer_detection_matches_build_info():
     assert HAS_GST == ("YES" in line)
 
 
-@pytest.mark.skipif(HAS_GST, reason="this OpenCV has GStreamer")
-def test_gstreamer_without_support_is_a_clear_error():
+def test_gstreamer_source_captures_or_says_this_opencv_cannot():
+    """Either build of OpenCV, one test: with GStreamer (Debian's or JetPack's OpenCV) a pipeline
+    gives frames; without it (PyPI's wheels, which this venv has) every GStreamer spec is a one-line
+    error that names the fix. Not a skip pair, so CI runs whichever half this OpenCV can prove."""
+    if HAS_GST:
+        with GstreamerSource("videotestsrc num-buffers=5 ! video/x-raw,width=64,height=48 ! videoconvert ! "
+                             "video/x-raw,format=BGR ! appsink") as src:
+            frames = list(src.frames(timeout=10))
+        assert 1 <= len(frames) <= 5 and frames[0].image.shape == (48, 64, 3)
+        return
     for make in (lambda: GstreamerSource("videotestsrc ! videoconvert ! appsink"),
                  lambda: open_source("gst:videotestsrc"), lambda: open_source("csi:0")):
         with pytest.raises(CameraError) as e:
@@ -346,15 +354,6 @@ def test_gstreamer_without_support_is_a_clear_error():
         msg = str(e.value)
         assert "\n" not in msg
         assert "without GStreamer" in msg and "use the system OpenCV on Jetson" in msg
-
-
-@pytest.mark.ci_may_skip("PyPI's OpenCV wheels are built without GStreamer; the test above covers that case")
-@pytest.mark.skipif(not HAS_GST, reason="this OpenCV has no GStreamer")
-def test_gstreamer_videotestsrc():
-    with GstreamerSource("videotestsrc num-buffers=5 ! video/x-raw,width=64,height=48 ! videoconvert ! "
-                         "video/x-raw,format=BGR ! appsink") as src:
-        frames = list(src.frames(timeout=10))
-    assert 1 <= len(frames) <= 5 and frames[0].image.shape == (48, 64, 3)
 
 
 def test_v4l2_missing_device_is_a_one_line_camera_error():
