@@ -48,6 +48,14 @@ def _is_detector(manifest: dict) -> bool:
     return decoder not in (None, "classifier", "raw")
 
 
+def judged_by(manifest: dict) -> str | None:
+    """What agreement a budget (--max-drop) can be judged by for outputs like the manifest's:
+    "top-1" (class scores), "boxes" (a box decoder), or None (nothing: only SQNR can say)."""
+    if _is_detector(manifest):
+        return "boxes"
+    return "top-1" if any(_classifier_outputs(manifest)) else None
+
+
 def _iou(a: list[float], b: np.ndarray) -> np.ndarray:
     """IoU of box ``a`` with each row of ``b`` (x1, y1, x2, y2)."""
     w = np.clip(np.minimum(a[2], b[:, 2]) - np.maximum(a[0], b[:, 0]), 0, None)

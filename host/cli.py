@@ -209,7 +209,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
     if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32 or max_drop is not None) and not int8):
         raise CompileError("--int8 and --calibration go together (--images, --keep-fp32 and --max-drop with them): give "
                            "both to quantize on your images first, or neither")
-    check_budget(validation, max_drop, out)
+    check_budget(validation, max_drop, model=model, inputs=inputs, decoder=decoder)
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
                    layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build,

@@ -51,14 +51,28 @@ def budget_options(f):
                         help="With --max-drop: a directory of images or a video calibration did not see.")(f)
 
 
-def check_budget(validation, max_drop, out) -> None:
+def check_budget(validation, max_drop, *, model, inputs=(), decoder: str | None = None) -> None:
+    """Refuse a budget that cannot be judged before any work: the two options apart, validation
+    images that are not there, or outputs with nothing to agree on (no class scores, no boxes)."""
     if (validation is None) != (max_drop is None):
         raise CompileError("--max-drop and --validation go together: give the budget and the images calibration "
                            "did not see to judge it on, or neither")
-    if validation is not None:
-        from . import calibration as calib
+    if validation is None:
+        return
+    from tandoor_compiler import frontend
 
-        calib.open_source(validation, "--validation")      # refused now, not after minutes of work
+    from . import calibration as calib
+    from .accuracy import judged_by
+
+    calib.open_source(validation, "--validation")      # refused now, not after minutes of work
+    outputs = [o.as_dict() for o in frontend.load(model, list(inputs)).outputs]
+    if judged_by({"outputs": outputs, "postprocess": {"decoder": decoder} if decoder else None}) is None:
+        raise CompileError(NOTHING_TO_JUDGE)
+
+
+NOTHING_TO_JUDGE = ("--max-drop: these outputs have no class scores and no boxes to judge agreement by "
+                    "(compile --int8 with --decoder for a detector); drop --max-drop and check with "
+                    "tandoor verify --images --min-sqnr")
 
 
 def judge(res: dict, max_drop: float, console) -> None:
@@ -67,9 +81,7 @@ def judge(res: dict, max_drop: float, console) -> None:
     if res.get("box_agreement") is not None:
         said.append(f"box agreement {res['box_agreement']:.1%} ({res['boxes_matched']}/{res['boxes_fp32']} boxes)")
     if not said:
-        raise CompileError("--max-drop: these outputs have no class scores and no boxes to judge agreement by "
-                           "(compile --int8 with --decoder for a detector); drop --max-drop and check with "
-                           "tandoor verify --images --min-sqnr")
+        raise CompileError(NOTHING_TO_JUDGE)
     console.log(f"on {res['images']} held-out image(s): " + ", ".join(said)
                 + ", SQNR " + ", ".join(f"{k} {v:.1f} dB" for k, v in res["sqnr_db"].items()))
     if not res["ok"]:
@@ -128,7 +140,7 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
                  pad_value=pad_value, pixel_range=pixel_range)
     if report_path is not None and not report_path.parent.is_dir():
         raise CompileError(f"--report {report_path}: directory {report_path.parent} does not exist")
-    check_budget(validation, max_drop, out)
+    check_budget(validation, max_drop, model=model, inputs=inputs)
     staged = Path(out).with_name(f".{Path(out).stem}.unjudged.onnx") if max_drop is not None else Path(out)
     try:
         res, src = quantize_with_calibration(model, staged, calibration, count, method=method, per_channel=per_channel,

@@ -357,3 +357,31 @@ def test_max_drop_refuses_int8_past_the_budget_on_held_out_images_and_writes_not
     # the budget needs its images, and the other way round: refused before any work
     res = quantize(tiny, out, frames["calib"], "--max-drop", "0.05")
     assert res.returncode == 2 and "--max-drop and --validation go together" in res.stderr and not out.exists()
+
+
+def test_a_budget_nothing_can_judge_is_refused_before_any_work(tmp_path, frames):
+    """A model whose output is a feature map (no class scores, no boxes): --max-drop is refused from
+    the output shapes, before calibration reads an image (the empty calibration directory would
+    otherwise be the error), in one line with exit 2; with --decoder, compile --int8 would judge
+    boxes, so the same model passes this check and fails on the empty directory instead."""
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "feature_map",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 32, 32])],
+                          [numpy_helper.from_array(RNG.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")])
+    src = tmp_path / "feature_map.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(src))
+    empty = tmp_path / "no_images"
+    empty.mkdir()
+    out = tmp_path / "fm.int8.onnx"
+    res = quantize(src, out, empty, "--validation", str(frames["eval"]), "--max-drop", "0.05")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "no class scores and no boxes" in lines[0], res.stderr
+    assert not out.exists()
+    res = run_cli("tandoor", "compile", str(src), "-o", str(tmp_path / "fm.hmod"), "-q", "--measure", "off",
+                  "--int8", "--calibration", str(empty), "--validation", str(frames["eval"]), "--max-drop", "0.05")
+    assert res.returncode == 2 and "no class scores and no boxes" in res.stderr, res.stderr
+    res = run_cli("tandoor", "compile", str(src), "-o", str(tmp_path / "fm.hmod"), "-q", "--measure", "off",
+                  "--int8", "--calibration", str(empty), "--validation", str(frames["eval"]), "--max-drop", "0.05",
+                  "--decoder", "yolox")
+    assert res.returncode == 2 and "no class scores" not in res.stderr and str(empty) in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["feature_map.onnx", "no_images"]
