@@ -239,6 +239,52 @@ def _breakdown(p: _Path, pre_ms: float) -> dict:
             "tvm_ms": round(tvm_ms, 3), "bridge_ms": round(bridge, 4), "subgraphs": subgraphs}
 
 
+def load_paths(builders, warmup: int, progress, paths: list[_Path]) -> None:
+    """Build each path into ``paths`` (the caller closes them, also when one fails), warm it up
+    and record the RSS its building and warm-up added."""
+    for name, build in builders:
+        progress(f"loading {name}")
+        _trim()
+        r0 = _rss()
+        p = build()
+        paths.append(p)
+        for _ in range(warmup):
+            p.run()
+        p.rss_growth = _rss() - r0
+        if p.hybrid is not None:
+            p.hybrid.reset_stats()
+
+
+def close_paths(paths: list[_Path]) -> None:
+    """Close every path, whatever one of them raises: the bench's result is already taken."""
+    for p in paths:
+        try:
+            p.close()
+        except Exception:
+            pass
+
+
+def time_paths(paths: list[_Path], runs: int, rounds: int, progress) -> None:
+    """Interleaved blocks (the module doc): each path gets ``runs`` timed runs in ``rounds`` blocks."""
+    progress(f"timing {len(paths)} paths, {runs} runs each")
+    per_round = [runs // rounds + (1 if k < runs % rounds else 0) for k in range(rounds)]
+    for n in per_round:
+        if n == 0:
+            continue
+        for p in paths:
+            p.run()                       # discarded: lets the previous path's threads settle
+            p.runs_total += 1
+            for _ in range(n):
+                marks = [len(sg.total_ns) for sg in p.hybrid.subgraphs] if p.hybrid else []
+                t0 = time.perf_counter_ns()
+                p.run()
+                p.times.append((time.perf_counter_ns() - t0) / 1e6)
+                p.runs_total += 1
+                if p.hybrid:     # this run's delegate calls: (library run, whole call) per subgraph
+                    p.per_run.append([(sum(sg.run_ns[k:]), sum(sg.total_ns[k:]), len(sg.total_ns) - k)
+                                      for sg, k in zip(p.hybrid.subgraphs, marks)])
+
+
 # baseline configurations of onnxruntime: path name -> (spinning, what the output calls it)
 ORT_CONFIGS = {"onnxruntime": (True, "default"), "onnxruntime-nospin": (False, "no spinning")}
 
@@ -303,35 +349,8 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
             builders += [(f"hybrid:{e}", lambda e=e: _hybrid_path(f"hybrid:{e}", hyb_bundle, e, inputs)) for e in use]
             builders += [("choice", lambda: _hybrid_path("choice", hyb_bundle, "auto", inputs)),
                          ("all-delegated", lambda: _hybrid_path("all-delegated", all_bundle, "auto", inputs))]
-            for name, build in builders:
-                progress(f"loading {name}")
-                _trim()
-                r0 = _rss()
-                p = build()
-                for _ in range(warmup):
-                    p.run()
-                p.rss_growth = _rss() - r0
-                if p.hybrid is not None:
-                    p.hybrid.reset_stats()
-                paths.append(p)
-
-            progress(f"timing {len(paths)} paths, {runs} runs each")
-            per_round = [runs // rounds + (1 if k < runs % rounds else 0) for k in range(rounds)]
-            for n in per_round:
-                if n == 0:
-                    continue
-                for p in paths:
-                    p.run()                       # discarded: lets the previous path's threads settle
-                    p.runs_total += 1
-                    for _ in range(n):
-                        marks = [len(sg.total_ns) for sg in p.hybrid.subgraphs] if p.hybrid else []
-                        t0 = time.perf_counter_ns()
-                        p.run()
-                        p.times.append((time.perf_counter_ns() - t0) / 1e6)
-                        p.runs_total += 1
-                        if p.hybrid:     # this run's delegate calls: (library run, whole call) per subgraph
-                            p.per_run.append([(sum(sg.run_ns[k:]), sum(sg.total_ns[k:]), len(sg.total_ns) - k)
-                                              for sg, k in zip(p.hybrid.subgraphs, marks)])
+            load_paths(builders, warmup, progress, paths)
+            time_paths(paths, runs, rounds, progress)
 
             # median_low: the median is one real run, whose own breakdown is reported
             med = {p.name: statistics.median_low(p.times) for p in paths}
@@ -351,11 +370,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
             spread = {p.name: {"min_ms": round(min(p.times), 3), "max_ms": round(max(p.times), 3),
                                "n": len(p.times)} for p in paths}
         finally:
-            for p in paths:
-                try:
-                    p.close()
-                except Exception:
-                    pass
+            close_paths(paths)
 
     progress("reading the static memory plans")
     host = schedule.host_target({"kind": "llvm"})

@@ -128,3 +128,37 @@ def test_only_the_output_the_device_decodes_as_class_scores_gets_top1():
     assert _classifier_outputs({"outputs": outs((1, 1000, 1, 1))}) == [True]
     assert _classifier_outputs({"outputs": outs((1, 84, 8400))}) == [False]
     assert _classifier_outputs({"outputs": outs((1, 1000)), "postprocess": {"decoder": "yolov8"}}) == [False]
+
+
+def test_bench_int8_times_every_route_and_says_the_sizes_and_the_agreement(lite0, tmp_path):
+    """`tandoor bench FP32 --int8 INT8`: each route's INT8/fp32 ratio is its own two medians, the
+    fastest route is the one with the smallest median, the sizes are the two bundles' files, and
+    the agreement on held-out frames is onnxruntime's fp32 answer against the INT8 bundle's."""
+    res = run_cli("tandoor", "bench", str(lite0["fp32"]), "--int8", str(lite0["int8"]), "--runs", "3", "--warmup", "1",
+                  "--images", str(lite0["eval"]), "--count", "12", "--json")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    med = rep["details"]["median_ms"]
+    for route, (a, b) in {"TVM": ("tvm-fp32", "int8:tvm"), "hybrid (auto)": ("fp32:auto", "int8:auto")}.items():
+        r = rep["routes"][route]
+        assert (r["fp32_ms"], r["int8_ms"]) == (med[a], med[b]) and r["ratio"] == pytest.approx(med[b] / med[a], abs=2e-3)
+    ort = rep["routes"]["onnxruntime"]
+    assert ort["fp32_ms"] == min(med["ort-fp32"], med["ort-fp32-nospin"])
+    assert ort["int8_ms"] == min(med["ort-int8"], med["ort-int8-nospin"])
+    fastest = rep["fastest"]
+    assert fastest["int8_ms"] == min(med[k] for k in ("ort-int8", "ort-int8-nospin", "int8:tvm", "int8:auto",
+                                                      "int8:onnxruntime"))
+    assert rep["sizes"]["onnx_int8_bytes"] == lite0["int8"].stat().st_size
+    assert rep["sizes"]["int8"]["bundle_bytes"] > rep["sizes"]["int8"]["order_weight_bytes"] >= 0
+    # 0 < share <= 1, and the choice is recorded subgraph by subgraph
+    assert 0.0 <= rep["int8_flops_delegated_share"] <= 1.0
+    acc = rep["accuracy"]
+    assert acc["images"] == 12 and 0.75 <= acc["top1_agreement"] <= 1.0 and 15.0 < acc["sqnr_db"]["logits"] < 60.0
+    # refusals: one line, exit 2, before any compile
+    for args, says in (((str(lite0["fp32"]), "--int8", str(lite0["fp32"])), "has no QuantizeLinear"),
+                       ((str(lite0["fp32"]), "--images", str(lite0["eval"])), "go with --int8"),
+                       ((str(lite0["fp32"]), "--int8", str(lite0["int8"]), "--kernels"), "belong to the plain"),
+                       ((str(lite0["fp32"]), "--int8", str(lite0["int8"]), "--images", str(tmp_path / "none")),
+                        "--images")):
+        bad = run_cli("tandoor", "bench", *args)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr, bad.stderr

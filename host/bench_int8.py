@@ -1,0 +1,213 @@
+"""`tandoor bench FP32.onnx --int8 INT8.onnx`: what INT8 buys on this host, in one process.
+
+The fp32 model and its QDQ INT8 model (`tandoor quantize`, or the user's own toolchain) on the same
+seeded input, timed in bench.py's interleaved blocks:
+
+* onnxruntime    each model in an onnxruntime CPU session, the better of its default and
+                 no-spinning configurations (as bench's baseline): what onnxruntime's own INT8
+                 kernels give (on x86 it fuses QDQ convs into QLinearConv only for uint8 activations)
+* TVM            fp32: the whole model in TVM (policy none); INT8: the INT8 bundle with every order
+                 on the TVM fallback (delegate tvm), which dequantizes the orders' int8 weights
+* hybrid         each bundle as `tandoor compile` makes it for this host, run as the agent runs it
+                 (delegate auto); the INT8 bundle also with every order on onnxruntime
+
+Ratios are INT8 over fp32 per route, so < 1 is a gain. Sizes are the two host bundles' and their
+order weights'. With ``images``, the INT8 bundle's agreement with the fp32 model on them
+(host/accuracy.py, as `tandoor verify --images`), preprocessed as `tandoor quantize` recorded in
+the INT8 model.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from .bench import ORT_CONFIGS, _hybrid_path, _ort_path, close_paths, load_paths, time_paths
+
+# route -> (fp32 path, INT8 path); the onnxruntime routes are resolved to the better configuration
+ROUTES = {"onnxruntime": ("ort-fp32", "ort-int8"), "TVM": ("tvm-fp32", "int8:tvm"),
+          "hybrid (auto)": ("fp32:auto", "int8:auto")}
+
+
+def _order_bytes(bundle: Path) -> int:
+    with zipfile.ZipFile(bundle) as z:
+        return sum(i.file_size for i in z.infolist() if i.filename.startswith("orders/") and i.filename.endswith(".bin"))
+
+
+def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, runs: int = 20, warmup: int = 5,
+             rounds: int | None = None, images: str | Path | None = None, count: int | None = None,
+             progress=lambda s: None) -> dict:
+    """Time the fp32 and INT8 routes (module doc); returns the report `print_int8` prints."""
+    from tandoor_agent.run.board import configure_tvm_threads
+
+    threads = configure_tvm_threads()
+    load = round(os.getloadavg()[0], 2)
+    n_threads = int(threads["TVM_NUM_THREADS"])
+
+    import onnxruntime
+    import tvm
+
+    from tandoor_compiler import frontend
+    from tandoor_compiler.errors import CompileError
+    from tandoor_compiler.pipeline import Options, compile_model
+    from tandoor_compiler.quantize import quantized_nodes, settings_of
+
+    if runs < 1:
+        raise CompileError("--runs must be at least 1")
+    rounds = rounds or max(4, runs // 3)
+    fp32 = frontend.load(model_path, list(input_specs))
+    specs = [f"{i.name}={'x'.join(str(d) for d in i.shape)}" for i in fp32.inputs]
+    q = frontend.load(int8_path, specs)
+    if not quantized_nodes(q.proto):
+        raise CompileError(f"--int8 {Path(int8_path).name} has no QuantizeLinear/DequantizeLinear: give the QDQ "
+                           f"model (tandoor quantize {Path(model_path).name} --calibration DIR -o INT8.onnx)")
+    if [o.shape for o in q.outputs] != [o.shape for o in fp32.outputs]:
+        raise CompileError(f"--int8 {Path(int8_path).name} has output(s) of shape {[o.shape for o in q.outputs]}, "
+                           f"{Path(model_path).name} {[o.shape for o in fp32.outputs]}: give the INT8 model "
+                           "quantized from this one")
+    preprocess = (settings_of(q.proto) or {}).get("preprocess")
+    if images is not None:
+        from . import calibration as calib
+
+        calib.open_source(images, "--images")      # refused now, not after the compiles
+    rng = np.random.default_rng(20261129)
+    inputs = [rng.standard_normal(i.shape).astype(i.dtype) for i in fp32.inputs]
+
+    with tempfile.TemporaryDirectory(prefix="tandoor-bench-int8-") as tmp:
+        tmpd = Path(tmp)
+        bundles = {"tvm-fp32": tmpd / "tvm_fp32.hmod", "fp32": tmpd / "fp32.hmod", "int8": tmpd / "int8.hmod"}
+        progress("compiling the fp32 model for TVM only (policy none)")
+        compile_model(model_path, bundles["tvm-fp32"], Options(specs, policy="none"))
+        progress("compiling the fp32 hybrid module")
+        m32 = compile_model(model_path, bundles["fp32"], Options(specs))
+        progress("compiling the INT8 hybrid module")
+        m8 = compile_model(int8_path, bundles["int8"], Options(specs))
+        builders = []
+        for tag, model in (("fp32", fp32), ("int8", q)):
+            builders += [(f"ort-{tag}" + ("" if spin else "-nospin"),
+                          lambda model=model, spin=spin, tag=tag: _named(
+                              _ort_path(model, inputs, n_threads, spinning=spin), f"ort-{tag}" + ("" if spin else "-nospin")))
+                         for spin, _ in ORT_CONFIGS.values()]
+        builders += [("tvm-fp32", lambda: _hybrid_path("tvm-fp32", bundles["tvm-fp32"], "tvm", inputs)),
+                     ("fp32:auto", lambda: _hybrid_path("fp32:auto", bundles["fp32"], "auto", inputs)),
+                     ("int8:onnxruntime", lambda: _hybrid_path("int8:onnxruntime", bundles["int8"], "onnxruntime", inputs)),
+                     ("int8:tvm", lambda: _hybrid_path("int8:tvm", bundles["int8"], "tvm", inputs)),
+                     ("int8:auto", lambda: _hybrid_path("int8:auto", bundles["int8"], "auto", inputs))]
+        paths = []
+        try:
+            load_paths(builders, warmup, progress, paths)
+            time_paths(paths, runs, rounds, progress)
+            med = {p.name: statistics.median_low(p.times) for p in paths}
+            best = {p.name: min(p.times) for p in paths}
+            int8_executors = [sg.executor for sg in next(p for p in paths if p.name == "int8:auto").hybrid.subgraphs]
+        finally:
+            close_paths(paths)
+        sizes = {k: {"bundle_bytes": os.path.getsize(v), **({"order_weight_bytes": _order_bytes(v)} if k != "tvm-fp32" else {})}
+                 for k, v in bundles.items()}
+        accuracy = None
+        if images is not None:
+            progress(f"comparing the INT8 bundle with the fp32 model on {images}")
+            accuracy = _accuracy(bundles["int8"], model_path, images, count, preprocess)
+
+    for tag in ("fp32", "int8"):     # the better onnxruntime configuration stands for the route
+        pick = min((f"ort-{tag}", f"ort-{tag}-nospin"), key=med.__getitem__)
+        med[f"ort-{tag}"], best[f"ort-{tag}"] = med[pick], best[pick]
+        med[f"ort-{tag}:config"] = ORT_CONFIGS["onnxruntime" + pick[len(f"ort-{tag}"):]][1]
+    routes = {}
+    for route, (a, b) in ROUTES.items():
+        routes[route] = {"fp32_ms": round(med[a], 3), "int8_ms": round(med[b], 3), "ratio": round(med[b] / med[a], 3),
+                         "best_ratio": round(best[b] / best[a], 3)}
+    routes["onnxruntime"]["configs"] = {"fp32": med["ort-fp32:config"], "int8": med["ort-int8:config"]}
+    routes["INT8 orders on onnxruntime"] = {"int8_ms": round(med["int8:onnxruntime"], 3),
+                                            "ratio_vs_fp32_hybrid": round(med["int8:onnxruntime"] / med["fp32:auto"], 3)}
+    fastest32 = min(("ort-fp32", "tvm-fp32", "fp32:auto"), key=med.__getitem__)
+    fastest8 = min(("ort-int8", "int8:tvm", "int8:auto", "int8:onnxruntime"), key=med.__getitem__)
+    share = m8.get("flops_delegated_int8", 0) / m8["flops_total"] if m8.get("flops_total") else 0.0
+    return {
+        "model": fp32.name, "int8_model": Path(int8_path).name,
+        "routes": routes,
+        "fastest": {"fp32": fastest32, "fp32_ms": round(med[fastest32], 3), "int8": fastest8,
+                    "int8_ms": round(med[fastest8], 3), "ratio": round(med[fastest8] / med[fastest32], 3)},
+        "sizes": {**sizes, "int8_vs_fp32": round(sizes["int8"]["bundle_bytes"] / sizes["fp32"]["bundle_bytes"], 3),
+                  "onnx_fp32_bytes": os.path.getsize(model_path), "onnx_int8_bytes": os.path.getsize(int8_path)},
+        "int8_flops_delegated_share": round(share, 4),
+        "accuracy": accuracy,
+        "details": {"runs": runs, "warmup": warmup, "rounds": rounds, "inputs": [i.as_dict() for i in fp32.inputs],
+                    "median_ms": {k: round(v, 3) for k, v in med.items() if not k.endswith(":config")},
+                    "best_ms": {k: round(v, 3) for k, v in best.items()},
+                    "int8_choice_executors": int8_executors,
+                    "delegated_subgraphs": {"fp32": sum(1 for p in m32["partitions"] if p["delegate"]),
+                                            "int8": sum(1 for p in m8["partitions"] if p["delegate"])},
+                    "threads": {**threads, "onnxruntime": n_threads, "load_1min": load},
+                    "versions": {"tvm": tvm.__version__, "onnxruntime": onnxruntime.__version__}},
+    }
+
+
+def _named(p, name: str):
+    p.name = name
+    return p
+
+
+def _accuracy(bundle: Path, reference, images, count, preprocess) -> dict:
+    from tandoor_compiler.errors import CompileError
+
+    if preprocess is None:
+        raise CompileError("--images: the INT8 model records no preprocessing (it was not made by tandoor quantize); "
+                           "compile both with your --mean/--std and run tandoor verify INT8.hmod --reference "
+                           "FP32.onnx --images DIR")
+    # the bench bundle was compiled without flags; the images need the preprocessing quantize recorded
+    from tandoor_contract import hmod
+    from tandoor_agent.run.runtime import HybridModule
+
+    from .accuracy import compare
+
+    with hmod.open_bundle(bundle) as b:
+        m = {**b.manifest, "preprocess": preprocess}
+        module = HybridModule(b, delegate="auto")
+        try:
+            res = compare(m, module.run, reference, images, count=count, max_drop=1.0, what="auto executors")
+        finally:
+            module.close()
+    keep = ("images", "source", "top1_agreement", "top5_agreement", "box_agreement", "sqnr_db")
+    return {k: res[k] for k in keep if k in res}
+
+
+def print_int8(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    d = res["details"]
+    t = Table(title=f"{res['model']} fp32 vs {res['int8_model']}: median of {d['runs']} runs, one process")
+    for col in ("route", "fp32 ms", "INT8 ms", "INT8/fp32", "best runs"):
+        t.add_column(col, justify="left" if col == "route" else "right")
+    for route, r in res["routes"].items():
+        if "fp32_ms" not in r:
+            continue
+        t.add_row(route, f"{r['fp32_ms']:.2f}", f"{r['int8_ms']:.2f}", f"{r['ratio']:.2f}x", f"{r['best_ratio']:.2f}x")
+    r = res["routes"]["INT8 orders on onnxruntime"]
+    t.add_row("INT8 orders on onnxruntime", "", f"{r['int8_ms']:.2f}", f"{r['ratio_vs_fp32_hybrid']:.2f}x", "")
+    c.print(t)
+    f = res["fastest"]
+    c.print(f"fastest: fp32 {f['fp32']} {f['fp32_ms']:.2f} ms, INT8 {f['int8']} {f['int8_ms']:.2f} ms: "
+            f"INT8 is {f['ratio']:.2f}x fp32")
+    cfg = res["routes"]["onnxruntime"]["configs"]
+    c.print(f"onnxruntime: the better of default and no spinning (fp32: {cfg['fp32']}, INT8: {cfg['int8']})")
+    s = res["sizes"]
+    c.print(f"host bundles: fp32 {s['fp32']['bundle_bytes'] / 1e6:.2f} MB (order weights "
+            f"{s['fp32']['order_weight_bytes'] / 1e6:.2f} MB), INT8 {s['int8']['bundle_bytes'] / 1e6:.2f} MB "
+            f"({s['int8']['order_weight_bytes'] / 1e6:.2f} MB): {s['int8_vs_fp32']:.0%} of fp32; "
+            f"{res['int8_flops_delegated_share']:.1%} of the FLOPs delegated as INT8")
+    a = res.get("accuracy")
+    if a:
+        said = [f"top-1 agreement {a['top1_agreement']:.1%}, top-5 {a['top5_agreement']:.1%}"] \
+            if a.get("top1_agreement") is not None else []
+        said += [f"SQNR {k} {v:.1f} dB" for k, v in a["sqnr_db"].items()]
+        c.print(f"accuracy against fp32 on {a['images']} image(s) from {a['source']}: " + ", ".join(said))
+    c.print(f"[dim]INT8 choice executors: {', '.join(d['int8_choice_executors']) or 'nothing delegated'}; "
+            f"threads TVM {d['threads']['TVM_NUM_THREADS']}, onnxruntime {d['threads']['onnxruntime']}[/]")
