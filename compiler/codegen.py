@@ -239,6 +239,9 @@ def _lift_constants(mod: tvm.IRModule):
     return mod, values
 
 
+LINK_OPTIONS = ["-s"]
+
+
 def build(mod: tvm.IRModule, target: dict, out_path, cross_cc: str | None) -> None:
     # schedule.py: relax's default CPU pipeline + vectorised, parallel schedules (docs/benchmarks.md);
     # the host target gets its CPU named (x86-64-v3 on AVX2 machines) instead of generic x86-64.
@@ -249,11 +252,13 @@ def build(mod: tvm.IRModule, target: dict, out_path, cross_cc: str | None) -> No
     t = tvm.target.Target(target if cross_cc else schedule.host_target(target))
     mod = legalise_for_tvm(mod)
     ex = tvm.compile(mod, target=t, relax_pipeline=schedule.cpu_pipeline(t))
+    # -s: no static symbol table (the runtime finds its entry points through the dynamic one);
+    # a third to a half of each library, and a bundle carries one per target and per fallback
     if cross_cc:
         from tvm.support import cc
 
         # The packed-imports object must be emitted for the board's triple, not the host's.
         fcompile = cc.cross_compiler(cross_cc, get_target_triple=lambda: t.attrs["mtriple"])
-        ex.export_library(str(out_path), fcompile=fcompile)
+        ex.export_library(str(out_path), fcompile=fcompile, options=LINK_OPTIONS)
     else:
-        ex.export_library(str(out_path))
+        ex.export_library(str(out_path), options=LINK_OPTIONS)
