@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,18 @@ QUANT_DTYPES: dict[str, tuple[int, int]] = {"int8": (-128, 127), "uint8": (0, 25
 TENSOR_DTYPES = ("float32", *QUANT_DTYPES)
 
 
+def float32_text(x: float) -> float:
+    """``x`` rounded to float32, as the float with the fewest digits that is still that float32:
+    scales are float32 everywhere they are used (ONNX, Arm NN, TVM), and a per-channel order's
+    scales written with float64's 17 digits made half of EfficientNet-Lite0's order JSON."""
+    want = struct.pack("<f", x)
+    for digits in range(6, 10):      # 9 significant digits identify every float32
+        y = float(f"{x:.{digits}g}")
+        if struct.pack("<f", y) == want:
+            return y
+    return float(struct.unpack("<f", want)[0])
+
+
 @dataclass(frozen=True)
 class Quant:
     scale: tuple[float, ...]
@@ -133,7 +146,8 @@ class Quant:
         return self.axis is None
 
     def as_dict(self) -> dict:
-        d: dict[str, Any] = {"scale": [float(s) for s in self.scale], "zero_point": [int(z) for z in self.zero_point]}
+        d: dict[str, Any] = {"scale": [float32_text(s) for s in self.scale],
+                             "zero_point": [int(z) for z in self.zero_point]}
         if self.axis is not None:
             d["axis"] = int(self.axis)
         return d
