@@ -25,23 +25,27 @@ PROBE_VERSION = 1
 SAMPLE = 16384
 
 
-def inputs(order: Mapping) -> list[np.ndarray]:
-    """The order's probe inputs: unit-variance noise with tails (the sum of four uniforms, out to
+def inputs(order: Mapping, seed: int = 0) -> list[np.ndarray]:
+    """The order's (or, with the manifest's ``inputs``, the model's: golden pairs) probe inputs,
+    one set per ``seed`` (0 for an order's probe, 1.. for a bundle's golden pairs): unit-variance noise with tails (the sum of four uniforms, out to
     +-3.46; an int8/uint8 input: every code of its type, evenly: a defect in PP-OCRv4 det's FPN on Arm NN 20.08 showed on such inputs and on normal ones,
     0.14 and 0.07 at the output, and hid on uniform ones, 0.002), from integer hashing (splitmix64)
     and exact float steps only, so every machine and numpy release makes the same bits."""
+    if not 0 <= seed < 4096:
+        raise ValueError(f"probe seed {seed!r} is not in 0..4095")
+    salt = np.uint64(seed << 52)      # above the input index (bits 40-51) and the draw (36-39)
     out = []
     for k, spec in enumerate(order["inputs"]):
         shape = tuple(int(d) for d in spec["shape"])
         n = math.prod(shape)
         if spec.get("dtype", "float32") in ("int8", "uint8"):   # every code of the type, evenly
-            u = _uniform(np.arange(n, dtype=np.uint64) + np.uint64((k + 1) << 40))
+            u = _uniform(np.arange(n, dtype=np.uint64) + np.uint64((k + 1) << 40) + salt)
             codes = np.floor(u * 256.0).astype(np.int16) - (128 if spec["dtype"] == "int8" else 0)
             out.append(codes.astype(spec["dtype"]).reshape(shape))
             continue
         total = np.zeros(n, np.float64)
         for r in range(4):   # a fixed order of float64 sums: the same bits everywhere
-            total += _uniform(np.arange(n, dtype=np.uint64) + np.uint64(((k + 1) << 40) + (r << 36)))
+            total += _uniform(np.arange(n, dtype=np.uint64) + np.uint64(((k + 1) << 40) + (r << 36)) + salt)
         out.append(((total - 2.0) * math.sqrt(3.0)).astype(np.float32).reshape(shape))
     return out
 

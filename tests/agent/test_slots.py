@@ -99,9 +99,9 @@ def B(bundles_dir, keys, tmp_path_factory) -> dict[str, Path]:
                 members.pop(m, None)
         assert gone and man["targets"]
     out["wrong_arch"] = rewrite(base, d / "wrong_arch.hmod", other_arch_only, keys["k1"])
-    # format_version 2: a consistent zip whose (re-signed) manifest says 2
+    # a future format_version: a consistent zip whose (re-signed) manifest says one this agent does not read
     man, members = members_of(out["v2"])
-    man["format_version"] = 2
+    man["format_version"] = hmod.FORMAT_VERSION + 1
     mbytes = (json.dumps(man, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode()
     with zipfile.ZipFile(d / "future.hmod", "w", zipfile.ZIP_STORED) as z:
         z.writestr(hmod.MANIFEST, mbytes)
@@ -285,7 +285,7 @@ def test_same_job_twice_is_a_no_op(store, B, keys):
     ("unsigned", "unsigned", 15, "is not signed but trusted keys are configured"),
     ("tampered", "hash_mismatch", 12, "'lib/host.so'"),
     ("wrong_arch", "wrong_arch", 17, f"has no lib for {hmod.machine_arch()}"),
-    ("future", "format_version", 16, "has format_version 2"),
+    ("future", "format_version", 16, f"has format_version {hmod.FORMAT_VERSION + 1}"),
     ("truncated", "not_a_bundle", 10, "is not a readable zip"),
 ])
 def test_bad_bundles_are_refused_and_the_primary_is_untouched(store, B, keys, which, kind, code, phrase):
@@ -330,6 +330,16 @@ def tmpfs(tmp_path):
         mounts.append(d)
         return d
 
+    def leave_free(d: Path, free: int) -> None:
+        """Shrink d's tmpfs to what it holds now plus ``free`` bytes: what a bundle needs beyond its
+        file (the libs the store unpacks) is counted as it is, however small the test bundle."""
+        st = os.statvfs(d)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        res = subprocess.run(["mount", "-o", f"remount,size={_page_up(used + free)}", str(d)],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+
+    mount.leave_free = leave_free
     yield mount
     for d in mounts:
         subprocess.run(["umount", "-l", str(d)], check=False)
@@ -343,9 +353,10 @@ def test_disk_full_refused_and_the_old_primary_keeps_working(tmpfs, B, keys):
     pub = keys["k1.pub"]
     size = B["v1"].stat().st_size
     reserve = 64 * 1024
-    d = tmpfs(_page_up(size + size // 2 + reserve))  # room for one bundle, not two
+    d = tmpfs(8 * size + 2 * reserve)
     store = SlotStore(d / "slots", reserve_bytes=reserve)
     committed(store, B["v1"], "j1", pub)
+    tmpfs.leave_free(d, size // 2)  # v1 is there; half a bundle more is not room for v2
     before = store.load()
     with pytest.raises(InstallRefused, match="not enough disk space") as e:
         store.install(B["v2"], "j2", [pub])
@@ -376,10 +387,11 @@ def test_disk_tight_reuses_the_inactive_slots_old_bundle(tmpfs, B, keys):
     pub = keys["k1.pub"]
     size = B["v1"].stat().st_size
     reserve = 64 * 1024
-    d = tmpfs(_page_up(2 * size + size // 2 + reserve))  # two bundles fit, three do not
+    d = tmpfs(8 * size + 2 * reserve)
     store = SlotStore(d / "slots", reserve_bytes=reserve)
     committed(store, B["v1"], "j1", pub)
     committed(store, B["v2"], "j2", pub)
+    tmpfs.leave_free(d, reserve + size // 2)  # two bundles fit, three do not
     # v3 fits only because slot a's old v1 is dropped first (good -> installing)
     assert store.install(B["v3"], "j3", [pub]) == "a"
     store.commit()

@@ -76,7 +76,7 @@ def test_compile_host_and_aarch64_then_verify(name, bundles_dir):
     m = manifest_of(out)
     assert set(m["targets"]) == {"host", "aarch64"}
     assert m["targets"]["aarch64"]["arch"] == "aarch64"
-    assert m["format_version"] == 1
+    assert m["format_version"] == 2 and all(g["inputs"] == "probe" for g in m["golden"])
     assert 0.9 <= m["delegation_ratio"] <= 1.0
     assert m["ops_delegated"] <= m["ops_total"]
     import zipfile

@@ -180,7 +180,7 @@ def test_flipped_manifest_byte_breaks_signature(tmp_path: Path, keys: dict) -> N
     with zipfile.ZipFile(out) as zf:
         raw = zf.read(hmod.MANIFEST)
     tampered = raw.replace(b'"demo"', b'"demn"', 1)  # still valid JSON, same format_version
-    assert tampered != raw and json.loads(tampered)["format_version"] == 1
+    assert tampered != raw and json.loads(tampered)["format_version"] == hmod.FORMAT_VERSION
     bad = _rezip(out, tmp_path / "bad.hmod", replace={hmod.MANIFEST: tampered})
     with pytest.raises(BadSignature):
         hmod.open_bundle(bad, trusted_keys=[keys["pub"]])
@@ -394,3 +394,32 @@ def test_exit_codes_distinct() -> None:
             NoLibForArch.exit_code) == (10, 11, 12, 14, 15, 16, 17)
     msg = str(HashMismatch("member 'a' differs\nsecond line"))
     assert "\n" not in msg and "; " in msg
+
+
+def test_generated_golden_inputs_are_the_probes_and_stored_ones_still_read(tmp_path: Path) -> None:
+    """format_version 2: a golden pair may say its inputs are generated (inputs "probe", seed k):
+    the reader makes probe.inputs of the manifest's inputs with that seed (bit for bit what the
+    compiler fed onnxruntime), one set per seed, none equal to an order's probe (seed 0); a pair
+    with stored inputs (format 1) reads as before; a seed out of range is a malformed bundle."""
+    from tandoor_contract import probe
+
+    man = _manifest()
+    man["inputs"] = [{"name": "x", "shape": [1, 3, 8, 8], "dtype": "float32"},
+                     {"name": "q", "shape": [2, 5], "dtype": "uint8"}]
+    man["golden"] = [{"inputs": "probe", "seed": 1, "outputs": ["golden/output_0_0.npy"]},
+                     {"inputs": "probe", "seed": 2, "outputs": ["golden/output_0_0.npy"]},
+                     {"inputs": ["golden/input_0_0.npy"], "outputs": ["golden/output_0_0.npy"]}]
+    with hmod.open_bundle(_write(tmp_path, manifest=man)) as b:
+        assert b.manifest["format_version"] == 2
+        (in1, out1), (in2, _), (in3, _) = b.golden()
+    want = probe.inputs({"inputs": man["inputs"]}, seed=1)
+    assert [a.dtype for a in in1] == [np.float32, np.uint8] and [a.shape for a in in1] == [(1, 3, 8, 8), (2, 5)]
+    assert all(np.array_equal(a, w) for a, w in zip(in1, want)) and np.array_equal(out1[0], GOLD_OUT)
+    assert not np.array_equal(in1[0], in2[0])
+    assert not np.array_equal(in1[0], probe.inputs({"inputs": man["inputs"]})[0])
+    assert abs(float(in1[0].std()) - 1.0) < 0.2 and np.array_equal(in3[0], GOLD_IN)
+    for seed in (0, 4096, "1"):
+        man["golden"] = [{"inputs": "probe", "seed": seed, "outputs": ["golden/output_0_0.npy"]}]
+        with hmod.open_bundle(_write(tmp_path, f"s{seed}.hmod", manifest=man)) as b, \
+                pytest.raises(hmod.NotABundle, match="seed"):
+            b.golden()
