@@ -491,6 +491,8 @@ def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bund
     man = manifest_of(bundle)
     step, atol = man["quantized"]["steps"]["logits"], man["tolerance"]["atol"]
     diff = float(np.abs(outs[0].astype(np.float64) - reference(bundle)[0]).max())
-    assert diff <= atol, f"INT8 on CpuAcc is {diff / step:.1f} steps from onnxruntime's QDQ run (tolerance {atol / step:.0f})"
+    # in whole steps: one step between two float32 dequantized outputs is the float64 step give or
+    # take float32's rounding (1.0000007 steps was measured)
+    assert diff / step <= atol / step + 1e-4, f"INT8 on CpuAcc is {diff / step:.1f} steps from onnxruntime's QDQ run (tolerance {atol / step:.0f})"
     print(f"small CNN INT8 on armnn/CpuAcc ({board.describe}): {diff / step:.0f} step(s) from onnxruntime's QDQ "
           f"run, tolerance {atol / step:.0f}; {secs:.1f} s")
