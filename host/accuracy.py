@@ -97,15 +97,17 @@ def sqnr_db(signal_power: float, noise_power: float) -> float:
 
 def compare_on_images(bundle_path: str | Path, reference: str | Path, images: str | Path, *,
                       count: int | None = None, delegate: str = "onnxruntime", max_drop: float = DEFAULT_MAX_DROP,
-                      min_sqnr_db: float | None = None, trusted_keys=()) -> dict:
+                      min_sqnr_db: float | None = None, trusted_keys=(), preprocess: dict | None = None) -> dict:
     """The bundle against the fp32 ``reference`` on the images of ``images`` (a directory or a
-    video; ``count`` of them spread evenly, default all). Returns the report (module doc)."""
+    video; ``count`` of them spread evenly, default all). ``preprocess`` stands in for the
+    manifest's (a bundle compiled without the flags). Returns the report (module doc)."""
     from tandoor_agent.run.runtime import HybridModule
 
     with hmod.open_bundle(bundle_path, trusted_keys=trusted_keys) as bundle:
         module = HybridModule(bundle, delegate=delegate)
+        m = bundle.manifest if preprocess is None else {**bundle.manifest, "preprocess": preprocess}
         try:
-            return compare(bundle.manifest, module.run, reference, images, count=count, max_drop=max_drop,
+            return compare(m, module.run, reference, images, count=count, max_drop=max_drop,
                            min_sqnr_db=min_sqnr_db, what=f"{delegate} executors")
         finally:
             module.close()

@@ -158,7 +158,7 @@ class _Path:
         self.runs_total = 0
 
 
-def _ort_path(model, inputs, threads: int, spinning: bool = True) -> _Path:
+def _ort_path(model, inputs, threads: int, spinning: bool = True, name: str | None = None) -> _Path:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -168,7 +168,7 @@ def _ort_path(model, inputs, threads: int, spinning: bool = True) -> _Path:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(model.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     feeds = {i.name: a for i, a in zip(model.inputs, inputs)}
-    return _Path("onnxruntime" if spinning else "onnxruntime-nospin", lambda: sess.run(None, feeds))
+    return _Path(name or ("onnxruntime" if spinning else "onnxruntime-nospin"), lambda: sess.run(None, feeds))
 
 
 def _hybrid_path(name: str, bundle_path: Path, delegate: str, inputs) -> _Path:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections import Counter
 import tempfile
 import zipfile
 from pathlib import Path
@@ -87,12 +88,9 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
         m32 = compile_model(model_path, bundles["fp32"], Options(specs))
         progress("compiling the INT8 hybrid module")
         m8 = compile_model(int8_path, bundles["int8"], Options(specs))
-        builders = []
-        for tag, model in (("fp32", fp32), ("int8", q)):
-            builders += [(f"ort-{tag}" + ("" if spin else "-nospin"),
-                          lambda model=model, spin=spin, tag=tag: _named(
-                              _ort_path(model, inputs, n_threads, spinning=spin), f"ort-{tag}" + ("" if spin else "-nospin")))
-                         for spin, _ in ORT_CONFIGS.values()]
+        builders = [(name, lambda model=model, spin=spin, name=name: _ort_path(model, inputs, n_threads,
+                                                                           spinning=spin, name=name))
+                    for tag, model in (("fp32", fp32), ("int8", q)) for name, spin in _ort_names(tag)]
         builders += [("tvm-fp32", lambda: _hybrid_path("tvm-fp32", bundles["tvm-fp32"], "tvm", inputs)),
                      ("fp32:auto", lambda: _hybrid_path("fp32:auto", bundles["fp32"], "auto", inputs)),
                      ("int8:onnxruntime", lambda: _hybrid_path("int8:onnxruntime", bundles["int8"], "onnxruntime", inputs)),
@@ -114,15 +112,16 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
             progress(f"comparing the INT8 bundle with the fp32 model on {images}")
             accuracy = _accuracy(bundles["int8"], model_path, images, count, preprocess)
 
+    configs = {}
     for tag in ("fp32", "int8"):     # the better onnxruntime configuration stands for the route
-        pick = min((f"ort-{tag}", f"ort-{tag}-nospin"), key=med.__getitem__)
+        pick, spin = min(_ort_names(tag), key=lambda ns: med[ns[0]])
         med[f"ort-{tag}"], best[f"ort-{tag}"] = med[pick], best[pick]
-        med[f"ort-{tag}:config"] = ORT_CONFIGS["onnxruntime" + pick[len(f"ort-{tag}"):]][1]
+        configs[tag] = next(label for s, label in ORT_CONFIGS.values() if s == spin)
     routes = {}
     for route, (a, b) in ROUTES.items():
         routes[route] = {"fp32_ms": round(med[a], 3), "int8_ms": round(med[b], 3), "ratio": round(med[b] / med[a], 3),
                          "best_ratio": round(best[b] / best[a], 3)}
-    routes["onnxruntime"]["configs"] = {"fp32": med["ort-fp32:config"], "int8": med["ort-int8:config"]}
+    routes["onnxruntime"]["configs"] = configs
     routes["INT8 orders on onnxruntime"] = {"int8_ms": round(med["int8:onnxruntime"], 3),
                                             "ratio_vs_fp32_hybrid": round(med["int8:onnxruntime"] / med["fp32:auto"], 3)}
     fastest32 = min(("ort-fp32", "tvm-fp32", "fp32:auto"), key=med.__getitem__)
@@ -138,7 +137,7 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
         "int8_flops_delegated_share": round(share, 4),
         "accuracy": accuracy,
         "details": {"runs": runs, "warmup": warmup, "rounds": rounds, "inputs": [i.as_dict() for i in fp32.inputs],
-                    "median_ms": {k: round(v, 3) for k, v in med.items() if not k.endswith(":config")},
+                    "median_ms": {k: round(v, 3) for k, v in med.items()},
                     "best_ms": {k: round(v, 3) for k, v in best.items()},
                     "int8_choice_executors": int8_executors,
                     "delegated_subgraphs": {"fp32": sum(1 for p in m32["partitions"] if p["delegate"]),
@@ -148,31 +147,23 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
     }
 
 
-def _named(p, name: str):
-    p.name = name
-    return p
+def _ort_names(tag: str) -> list[tuple[str, bool]]:
+    """(path name, spinning) of the onnxruntime configurations for the fp32 or the INT8 model."""
+    return [(f"ort-{tag}" + ("" if spin else "-nospin"), spin) for spin, _ in ORT_CONFIGS.values()]
 
 
 def _accuracy(bundle: Path, reference, images, count, preprocess) -> dict:
     from tandoor_compiler.errors import CompileError
 
+    from .accuracy import compare_on_images
+
     if preprocess is None:
         raise CompileError("--images: the INT8 model records no preprocessing (it was not made by tandoor quantize); "
                            "compile both with your --mean/--std and run tandoor verify INT8.hmod --reference "
                            "FP32.onnx --images DIR")
-    # the bench bundle was compiled without flags; the images need the preprocessing quantize recorded
-    from tandoor_contract import hmod
-    from tandoor_agent.run.runtime import HybridModule
-
-    from .accuracy import compare
-
-    with hmod.open_bundle(bundle) as b:
-        m = {**b.manifest, "preprocess": preprocess}
-        module = HybridModule(b, delegate="auto")
-        try:
-            res = compare(m, module.run, reference, images, count=count, max_drop=1.0, what="auto executors")
-        finally:
-            module.close()
+    # the bench bundle was compiled without flags: the images take the preprocessing quantize recorded
+    res = compare_on_images(bundle, reference, images, count=count, delegate="auto", max_drop=1.0,
+                            preprocess=preprocess)
     keep = ("images", "source", "top1_agreement", "top5_agreement", "box_agreement", "sqnr_db")
     return {k: res[k] for k in keep if k in res}
 
@@ -209,5 +200,7 @@ def print_int8(res: dict) -> None:
             if a.get("top1_agreement") is not None else []
         said += [f"SQNR {k} {v:.1f} dB" for k, v in a["sqnr_db"].items()]
         c.print(f"accuracy against fp32 on {a['images']} image(s) from {a['source']}: " + ", ".join(said))
-    c.print(f"[dim]INT8 choice executors: {', '.join(d['int8_choice_executors']) or 'nothing delegated'}; "
+    counts = Counter(d["int8_choice_executors"])
+    said = ", ".join(f"{e} x{n}" for e, n in counts.most_common()) or "nothing delegated"
+    c.print(f"[dim]INT8 choice, executors per subgraph: {said}; "
             f"threads TVM {d['threads']['TVM_NUM_THREADS']}, onnxruntime {d['threads']['onnxruntime']}[/]")
