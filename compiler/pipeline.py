@@ -14,6 +14,11 @@ in one is an InternalError (exit 3) naming the stage, a bad input a CompileError
     check      the written bundle's own golden self-test in a separate process (the agent's
                health check: the host lib with its auto executors and with the TVM fallbacks);
                a mismatch refuses the bundle, so a wrong one is never written (unless check=False)
+
+Before all of them the compile cache (compiler/cache.py) is asked: the same model bytes, options and
+compiler source compiled before on this machine give that bundle back, re-signed and re-dated, in
+well under a second (``cache=False``, ``tandoor compile --no-cache``, skips it). ``timings``, a dict
+the caller passes, receives the seconds each stage took (``tandoor compile --timings``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +40,8 @@ import numpy as np
 
 from tandoor_contract import durable, hmod, media, probe
 
-from . import codegen, cost, frontend, importer, order_onnx, partition, passes, quantize, report
+from . import cache as cache_mod
+from . import frontend, order_onnx, quantize
 from . import profile as profile_mod
 from . import targets as targets_mod
 from .errors import CompileError, InternalError
@@ -67,6 +74,7 @@ class Options:
     pixel_range: str | None = None  # "0-1" | "0-255"; None: from the mean/std units
     decoder: str | None = None
     decoder_options: dict = field(default_factory=dict)  # conf, iou, max_det and the decoder's own
+    cache: bool = True            # take the bundle from the compile cache when it holds it (compiler/cache.py)
 
 
 def _tandoor_version() -> str:
@@ -78,12 +86,13 @@ def _tandoor_version() -> str:
         return "0"
 
 
-def _preprocess(opts: Options, inputs: list[frontend.TensorSpec]) -> dict | None:
+def _preprocess(opts: Options, shape: list[int]) -> dict | None:
+    """The manifest's preprocess entry for the first input (of ``shape``)."""
     if opts.mean is None and opts.std is None and not opts.bgr and opts.resize == "stretch" \
             and opts.pixel_range is None:
         return None
-    layout = opts.layout or media.guess_layout(inputs[0].shape)
-    chans = inputs[0].shape[1 if layout == "NCHW" else -1]
+    layout = opts.layout or media.guess_layout(shape)
+    chans = shape[1 if layout == "NCHW" else -1]
     mean = opts.mean or [0.0] * chans
     std = opts.std or [1.0] * chans
     for label, v in (("--mean", mean), ("--std", std)):
@@ -115,6 +124,24 @@ def _postprocess(opts: Options) -> dict | None:
         raise CompileError(str(err)) from None
 
 
+def _media(opts: Options, inputs: list[dict], members: dict) -> dict:
+    """What the manifest says about frames and results (how a frame becomes each input, what decodes
+    the outputs, the labels) from ``inputs`` (the manifest's input specs); ``labels.txt`` goes into
+    ``members`` or out of it. None of it changes what is compiled: the compile cache rewrites it on a
+    hit, so one model compiled with other --mean/--decoder/--conf flags is not compiled again."""
+    if opts.labels:
+        members["labels.txt"] = Path(opts.labels).read_bytes()
+    else:
+        members.pop("labels.txt", None)
+    return {
+        "inputs": [{**i, "layout": (opts.layout or media.guess_layout(i["shape"])) if len(i["shape"]) == 4 else None}
+                   for i in inputs],
+        "preprocess": _preprocess(opts, inputs[0]["shape"]) if inputs else None,
+        "postprocess": _postprocess(opts),
+        "labels": "labels.txt" if opts.labels else None,
+    }
+
+
 def _npy(a: np.ndarray) -> bytes:
     import io
 
@@ -123,15 +150,17 @@ def _npy(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-STAGES = ("load", "import", "optimise", "partition", "measure", "codegen", "build", "golden", "write", "check")
+STAGES = ("cache", "startup", "load", "import", "optimise", "partition", "measure", "codegen", "build", "golden", "write", "check")
 MEASURES = ("auto", "on", "off")
 POLICIES = ("cost", "all", "none")
 
 
 @contextlib.contextmanager
-def stage(name: str):
+def stage(name: str, timings: dict | None = None):
     """Run one stage: the user's errors pass through; anything else becomes one line naming it.
-    TANDOOR_FAILPOINT=compile:<stage> makes the stage fail (tests of that path)."""
+    TANDOOR_FAILPOINT=compile:<stage> makes the stage fail (tests of that path). ``timings``
+    accumulates the stage's seconds under its name."""
+    t0 = time.perf_counter()
     try:
         if os.environ.get("TANDOOR_FAILPOINT") == f"compile:{name}":
             raise RuntimeError(f"failpoint compile:{name}")
@@ -141,17 +170,22 @@ def stage(name: str):
     except Exception as err:
         text = " ".join(str(err).split()) or type(err).__name__
         raise InternalError(f"internal error in stage {name}: {type(err).__name__}: {text[:400]}") from err
+    finally:
+        if timings is not None:
+            timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 3)
 
 
 def compile_model(model: str | Path, out: str | Path, opts: Options | None = None, *,
-                  progress: Callable[[str], None] | None = None, **options) -> dict:
+                  progress: Callable[[str], None] | None = None, timings: dict | None = None,
+                  **options) -> dict:
     """Compile ``model`` (an .onnx path) into the bundle ``out`` (.hmod); returns the manifest as
     written.
 
     Keyword arguments are the fields of :class:`Options` (``inputs=["x=1x3x224x224"]``,
     ``targets=["aarch64"]``, ``key=``, ``labels=``, ``mean=``, ``std=``, ``layout=``, ``bgr=``,
-    ``policy="cost"|"all"|"none"``, ``profile=``, ``name=``, ``version=``, ``check=True``), or pass an
-    ``Options``. ``progress(message)`` is called as each stage starts.
+    ``policy="cost"|"all"|"none"``, ``profile=``, ``name=``, ``version=``, ``check=True``,
+    ``cache=True``), or pass an ``Options``. ``progress(message)`` is called as each stage starts;
+    ``timings`` (a dict) receives each stage's seconds.
 
     Raises CompileError (bad input, exit 2) or InternalError (a stage failed, exit 3). Nothing is
     written at ``out`` unless every stage, the self-check included, succeeded.
@@ -169,56 +203,131 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
         raise CompileError(f"unknown --measure {opts.measure}; choose {', '.join(MEASURES)}")
     tgts = targets_mod.resolve(opts.targets)
     key = hmod.load_private_key(opts.key) if opts.key else None
-    if opts.labels is not None and not Path(opts.labels).is_file():
-        raise CompileError(f"--labels {opts.labels}: no such file")
+    for label, path in (("--labels", opts.labels), ("--profile", opts.profile)):
+        if path is not None and not Path(path).is_file():
+            raise CompileError(f"{label} {path}: no such file")
+
+    ckey = None
+    # a failpoint tests a stage: it must run, not come from the cache
+    if opts.cache and Path(model).is_file() and not os.environ.get("TANDOOR_FAILPOINT", "").startswith("compile:"):
+        with stage("cache", timings):
+            ckey = cache_mod.key(model, opts, [t.name for t in tgts])
+    if ckey is None:
+        return _compile(model, out_path, opts, tgts, key, say, timings, None)
+    with cache_mod.locked(ckey):    # a second compile of the same thing waits for this one, then hits
+        with stage("cache", timings):
+            entry = cache_mod.get(ckey)
+        if entry is not None:
+            written = _from_cache(entry, out_path, opts, key, say, timings)
+            if written is not None:
+                return written
+        return _compile(model, out_path, opts, tgts, key, say, timings, ckey)
+
+
+def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict | None,
+             ckey: str | None) -> dict:
+    """The stages, start to finish; with ``ckey``, the checked bundle also goes into the cache."""
+    # these import TVM (2-3 s of a compile's start): here, so that a compile the cache serves never does
+    global codegen, cost, importer, partition, passes, report
+    with stage("startup", timings):
+        from . import codegen, cost, importer, partition, passes, report
 
     say("loading and normalising the ONNX model")
-    with stage("load"):
+    with stage("load", timings):
         loaded = frontend.load(model, opts.inputs)
-    preprocess = _preprocess(opts, loaded.inputs)
-    postprocess = _postprocess(opts)
+    _media(opts, [i.as_dict() for i in loaded.inputs], {})     # a bad --mean or --decoder fails here, before the work
     say("importing into TVM Relax")
-    with stage("import"):
+    with stage("import", timings):
         mod = importer.to_relax(loaded)
     say("optimising the graph (constants, BatchNorm, NHWC, transposes)")
-    with stage("optimise"):
+    with stage("optimise", timings):
         mod, facts = passes.optimise(mod)
-    with stage("partition"):
+    with stage("partition", timings):
         plan = _partition(mod, loaded, opts, tgts, say)
     if _measures(opts, tgts, plan):
-        with stage("measure"):
+        with stage("measure", timings):
             measured = _measure_here(mod, loaded, opts, tgts, say)
         if measured is not None:
-            plan = _partition(mod, loaded, opts, tgts, say, measured=measured, source="measured here")
+            with stage("partition", timings):
+                plan = _partition(mod, loaded, opts, tgts, say, measured=measured, source="measured here")
     say(f"writing orders for {len(plan.kept)} delegated subgraph(s)")
-    with stage("codegen"):
+    with stage("codegen", timings):
         members, parts_manifest, fallbacks = _codegen(plan)
-    with stage("build"):
+    with stage("build", timings):
         target_entries = _build(plan, fallbacks, tgts, members, say)
     say("recording golden input/output pairs with onnxruntime")
-    with stage("golden"):
+    with stage("golden", timings):
         golden = _golden_members(loaded, members)
-    if opts.labels:
-        members["labels.txt"] = Path(opts.labels).read_bytes()
-    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, preprocess, golden, model,
-                         postprocess)
-    with stage("golden"):   # a QDQ model: golden within quantization steps, not fp32's tolerance
+    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, golden, model)
+    manifest.update(_media(opts, [i.as_dict() for i in loaded.inputs], members))
+    if ckey is not None:
+        manifest["cache"] = {"key": ckey, "hit": False}
+    with stage("golden", timings):   # a QDQ model: golden within quantization steps, not fp32's tolerance
         manifest.update(quantize.manifest_entries(loaded, int8_share=(
             manifest["flops_delegated_int8"] / manifest["flops_total"] if manifest["flops_total"] else 0.0)) or {})
     staged = out_path.with_name(f".{out_path.name}.unchecked")
     try:
         say(f"writing {out_path.name}")
-        with stage("write"):
+        with stage("write", timings):
             written = hmod.write_bundle(staged, manifest, members, private_key=key)
         if opts.check:
             say("checking the bundle: its golden self-test with the host lib")
-            with stage("check"):
+            with stage("check", timings):
                 _self_check(staged)
+        if ckey is not None:
+            with stage("cache", timings):
+                cache_mod.put(ckey, staged, {"checked": opts.check, "compiled": written["created"],
+                                             "model": written["model"]["name"], "source": Path(model).name,
+                                             "targets": list(written["targets"])})
         os.replace(staged, out_path)
         durable.fsync_dir(out_path.parent)
     finally:
         staged.unlink(missing_ok=True)
     return written
+
+
+def _from_cache(entry: cache_mod.Entry, out_path: Path, opts: Options, key, say, timings: dict | None) -> dict | None:
+    """The cached bundle written at ``out_path`` with this compile's manifest-only fields (version,
+    build), a new ``created`` and this key's signature; checked first when it was cached unchecked
+    and this compile wants the check. None when the entry turns out damaged (it is dropped)."""
+    say(f"taking the bundle from the compile cache (entry {entry.key[:12]}, compiled {entry.meta.get('compiled')})")
+    with stage("cache", timings):
+        try:
+            with hmod.open_bundle(entry.bundle) as b:
+                manifest = dict(b.manifest)
+                members = {n: b.read(n) for n in manifest.get("files") or {}}
+        except hmod.BundleError:
+            cache_mod.drop(entry.key)
+            return None
+    manifest.pop("files", None)
+    manifest.pop("format_version", None)
+    manifest.update(_media(opts, [{k: v for k, v in i.items() if k != "layout"} for i in manifest["inputs"]],
+                           members))
+    manifest["model"] = {**manifest["model"], "version": opts.version}
+    manifest.pop("build", None)
+    if opts.build is not None:
+        manifest["build"] = int(opts.build)
+    manifest["cache"] = {"key": entry.key, "hit": True, "compiled": manifest.get("created")}
+    manifest["created"] = _now()
+    staged = out_path.with_name(f".{out_path.name}.unchecked")
+    try:
+        say(f"writing {out_path.name}")
+        with stage("write", timings):
+            written = hmod.write_bundle(staged, manifest, members, private_key=key)
+        if opts.check and not entry.meta.get("checked"):
+            say("checking the bundle: its golden self-test with the host lib")
+            with stage("check", timings):
+                _self_check(staged)
+            cache_mod.mark_checked(entry)
+        os.replace(staged, out_path)
+        durable.fsync_dir(out_path.parent)
+    finally:
+        staged.unlink(missing_ok=True)
+    return written
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
 @dataclass
@@ -297,7 +406,7 @@ def _measure_here(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say) -
     target_entries = _build(candidates, fallbacks, host, members, say)
     golden = _golden_members(loaded, members)
     manifest = _manifest(loaded, opts, candidates, {"layout_transposes": 0}, parts_manifest, target_entries,
-                         None, golden, loaded.path)
+                         golden, loaded.path)
     with tempfile.TemporaryDirectory(prefix="tandoor-measure-") as tmp:
         bundle, prof = Path(tmp) / "candidates.hmod", Path(tmp) / "profile.json"
         hmod.write_bundle(bundle, manifest, members)
@@ -419,8 +528,8 @@ def _golden_members(loaded: frontend.LoadedModel, members: dict) -> list[dict]:
     return golden
 
 
-def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, target_entries, preprocess,
-              golden, model, postprocess: dict | None = None) -> dict:
+def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, target_entries, golden,
+              model) -> dict:
     import tvm
 
     result, kept = plan.result, plan.kept
@@ -429,14 +538,15 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
         **({"build": int(opts.build)} if opts.build is not None else {}),
         "tvm_version": tvm.__version__,
         "tandoor_version": _tandoor_version(),
-        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "created": _now(),
         "targets": target_entries,
+        # how frames become inputs and what decodes the outputs: _media, applied by the caller
         "inputs": [{**i.as_dict(), "layout": (opts.layout or media.guess_layout(i.shape)) if len(i.shape) == 4
                     else None} for i in loaded.inputs],
         "outputs": [o.as_dict() for o in loaded.outputs],
-        "preprocess": preprocess,
-        "postprocess": postprocess,
-        "labels": "labels.txt" if opts.labels else None,
+        "preprocess": None,
+        "postprocess": None,
+        "labels": None,
         "partitions": parts_manifest,
         "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],
         "ops_total": result.ops_total,
@@ -457,10 +567,14 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
     }
 
 
-# The check runs where the bundle would: the agent's own health check in a fresh process (the
-# compiler never imports the agent), golden pairs only, with auto's executors and with the TVM
-# fallbacks. A machine with the compiler but not the agent skips it.
+# The check runs where the bundle would: the agent's own health check in a fresh process that loads
+# TVM's runtime only, as the device's agent does (a function only the compiler library registers
+# fails here as it would there), golden pairs only, with auto's executors and with the TVM
+# fallbacks. The compiler never imports the agent; a machine with the compiler but not the agent
+# skips the check.
 _CHECK = ("import json, sys\n"
+          "from tandoor_agent.run import lean\n"
+          "lean.runtime_only()\n"
           "from tandoor_agent.update.health import health_check\n"
           "print(json.dumps([health_check(sys.argv[1], delegate=d, frames=0).to_dict() for d in sys.argv[2:]], "
           "default=str))\n")

@@ -30,6 +30,7 @@ def summary(bundle: hmod.Bundle) -> dict:
     info["policy"] = m.get("policy")
     info["quantized"], info["tolerance"] = m.get("quantized"), m.get("tolerance")
     info["signed"] = bundle.signed
+    info["created"], info["cache"] = m.get("created"), m.get("cache")
     return info
 
 
@@ -54,6 +55,11 @@ def print_summary(info: dict) -> None:
     c.print("inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in info["inputs"]))
     c.print("outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o['shape']}" for o in info["outputs"]))
     c.print("targets: " + ", ".join(f"{t} ({v['arch']})" for t, v in info["targets"].items()))
+    if (cached := info.get("cache") or {}).get("hit"):
+        c.print(f"compiled: {cached['compiled']}, taken from the compile cache {info['created']} "
+                f"(entry {cached['key'][:12]}; tandoor compile --no-cache recompiles)")
+    elif info.get("created"):
+        c.print(f"compiled: {info['created']}")
     share = f"{info['flops_share']:.1%} of the FLOPs, " if info.get("flops_share") is not None else ""
     c.print(f"delegated to ACL: {share}{info['ops_delegated']}/{info['ops_total']} ops "
             f"(ratio {info['delegation_ratio']:.2f}) in {sum(p['delegate'] for p in info['partitions'])} subgraph(s); "

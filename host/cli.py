@@ -54,6 +54,9 @@ class _Tool(click.Group):
 
     def invoke(self, ctx):
         global DEBUG
+        from tandoor_agent.run.lean import tvm_without_torch
+
+        tvm_without_torch()    # TVM would import torch (3.5 s) when it is installed; no command needs it
         DEBUG = DEBUG or "--debug" in sys.argv[1:]     # a subcommand's --debug is parsed later than this
         if not DEBUG:
             warnings.simplefilter("ignore")     # TVM's importer warns about renamed inputs and the like
@@ -194,11 +197,15 @@ def main() -> None:
               help="With --int8: calibrate on N images (default: the directory's, 300 frames of a video).")
 @keep_fp32_option
 @budget_options
+@click.option("--no-cache", is_flag=True,
+              help="Compile even when the compile cache holds this model with these options (and do not store the "
+                   "result). The cache: ~/.cache/tandoor/compile, 'tandoor cache' to see or clear it.")
+@click.option("--timings", is_flag=True, help="Print the seconds each stage took.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
             build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
-            decoder_opts, int8, calibration, calib_count, keep_fp32, validation, max_drop, quiet):
+            decoder_opts, int8, calibration, calib_count, keep_fp32, validation, max_drop, no_cache, timings, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
@@ -215,8 +222,10 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
                    layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build,
                    resize=resize, letterbox_align=letterbox_align, pad_value=pad_value, pixel_range=pixel_range,
                    decoder=decoder,
-                   decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det})
+                   decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det},
+                   cache=not no_cache)
     console = Console(stderr=True, quiet=quiet, log_path=False)
+    times: dict[str, float] = {}
     source = model     # the fp32 model: what --max-drop judges the INT8 bundle against
     with tempfile.TemporaryDirectory(prefix="tandoor-int8-") as tmp:
         if int8:
@@ -235,7 +244,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             # judged before it replaces anything: past the budget, nothing is written
             staged = Path(out).with_name(f".{Path(out).stem}.unjudged{Path(out).suffix}") if max_drop is not None else Path(out)
             try:
-                p = compile_model(model, staged, opts, progress=progress)
+                p = compile_model(model, staged, opts, progress=progress, timings=times)
                 if max_drop is not None:
                     from .accuracy import compare_on_images
 
@@ -253,9 +262,23 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
         f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL"
         + (f" ({p['flops_delegated_int8'] / p['flops_total']:.1%} as INT8)" if p.get("flops_delegated_int8") else "")
         + " in "
-        f"{len(kept)} subgraph(s), {p['layout_transposes']} layout transpose(s), targets {', '.join(p['targets'])}, "
+        f"{len(kept)} subgraph(s), {p['layout_transposes']} layout transpose(s), targets "
+        f"{', '.join(sorted(p['targets'], key=lambda t: t != 'host'))}, "
         f"predicted speedup {p['predicted_speedup']:.2f}x" + (", signed" if key else "")
-        + f", decided from {_decided_from(p)}" + ("" if opts.check else ", NOT self-checked (--no-check)"))
+        + f", decided from {_decided_from(p)}" + ("" if opts.check else ", NOT self-checked (--no-check)")
+        + (f", from the compile cache (first compiled {p['cache']['compiled']})" if (p.get("cache") or {}).get("hit")
+           else ""))
+    if timings or DEBUG:
+        _print_timings(times)
+
+
+def _print_timings(times: dict[str, float]) -> None:
+    """Seconds per stage, in the order they ran, on stderr (stdout stays for results)."""
+    total = sum(times.values())
+    click.echo("stage      seconds", err=True)
+    for stage_name, secs in times.items():
+        click.echo(f"{stage_name:10s} {secs:7.2f}", err=True)
+    click.echo(f"{'total':10s} {total:7.2f}", err=True)
 
 
 def _decided_from(manifest: dict) -> str:
@@ -462,6 +485,35 @@ def keygen(out):
     except hmod.BundleError as err:
         _fail(err)
     click.echo(f"wrote {priv} (private) and {pub} (public), fingerprint {fp}")
+
+
+@main.command("cache")
+@click.option("--clear", is_flag=True, help="Remove every entry.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def cache_cmd(clear, as_json):
+    """Show (or --clear) the compile cache: bundles compiled before on this machine, reused when the
+    same model is compiled again with the same options and compiler (compiler/cache.py)."""
+    from tandoor_compiler import cache
+
+    root = cache.directory()
+    if root is None:
+        click.echo("the compile cache is off (TANDOOR_COMPILE_CACHE=0)")
+        return
+    if clear:
+        n = cache.clear()
+        click.echo(f"removed {n} {'entry' if n == 1 else 'entries'} from {root}")
+        return
+    ents = cache.entries()
+    if as_json:
+        click.echo(json.dumps({"directory": str(root), "entries": ents}, indent=2))
+        return
+    total = sum(int(e.get("size", 0)) for e in ents)
+    click.echo(f"{root}: {len(ents)} {'entry' if len(ents) == 1 else 'entries'}, {total / 2**20:.1f} MB "
+               f"(at most {os.environ.get('TANDOOR_COMPILE_CACHE_MB', cache.DEFAULT_MB)} MB; oldest use goes first)")
+    for e in ents:
+        click.echo(f"  {e['key'][:12]}  {e.get('source', '?'):32s} {', '.join(e.get('targets', [])):20s} "
+                   f"{int(e.get('size', 0)) / 2**20:7.1f} MB  compiled {e.get('compiled')}"
+                   + ("" if e.get("checked") else "  (not self-checked)"))
 
 
 main.add_command(quantize)   # the INT8 command lives beside: host/quantize.py

@@ -9,7 +9,8 @@ against +63 MB and 0.8 s for the runtime alone. The agent needs only ``tvm.runti
 :func:`runtime_only` makes that so; the agent's entry points call it before anything imports tvm
 (``tandoor-agent``: agent/cli.py; the health gate's child: agent/update/health.py). Library code
 (agent/run/runtime.py...) does not call it: the host's tools (`tandoor verify`, `bench`, compile's
-golden replay) run the same code in a process that needs the full compiler.
+golden replay) run the same code in a process that needs the full compiler; they keep torch out
+out of TVM with :func:`tvm_without_torch` (host/cli.py).
 """
 
 from __future__ import annotations
@@ -38,9 +39,39 @@ def runtime_only() -> bool:
     if "tvm" in sys.modules or "tvm_ffi" in sys.modules:
         return False
     os.environ["TVM_USE_RUNTIME_LIB"] = "1"   # read by tvm/base.py when tvm is imported
+    keep_torch_out()
+    return True
+
+
+def keep_torch_out() -> None:
+    """``import torch`` fails in this process from now on (the agent's processes: nothing in them
+    needs torch, and ``importlib.util.find_spec("torch")`` raising is fine there)."""
     if not any(isinstance(f, _Blocked) for f in sys.meta_path):
         sys.meta_path.insert(0, _Blocked())
-    return True
+
+
+class _BlockedForTvm(importlib.abc.MetaPathFinder):
+    """Makes ``import torch`` fail when TVM (tvm, tvm_ffi) asks for it, and only then."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".", 1)[0] not in BLOCKED_MODULES:
+            return None
+        f = sys._getframe(1)
+        while f is not None:
+            if str(f.f_globals.get("__name__", "")).split(".", 1)[0] in ("tvm", "tvm_ffi"):
+                raise ModuleNotFoundError(f"No module named {name!r} (hidden from TVM)", name=name)
+            f = f.f_back
+        return None
+
+
+def tvm_without_torch() -> None:
+    """From now on TVM (tvm, tvm_ffi) cannot import torch; everything else can. TVM imports torch
+    for its optional DLPack interop whenever torch is installed, which cost every host
+    command that imports tvm 3.5 s (``import tvm, tvm.relax``: 6.5 s with torch, 3.0 s without, on
+    this 2-core host); onnxruntime's quantization tools, which look for torch with ``find_spec``,
+    must still find it (a block for everyone breaks them)."""
+    if not any(isinstance(f, (_Blocked, _BlockedForTvm)) for f in sys.meta_path):
+        sys.meta_path.insert(0, _BlockedForTvm())
 
 
 def mapped_libraries(pid: int | str = "self") -> set[str]:
