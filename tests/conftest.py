@@ -17,6 +17,24 @@ import pytest
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="write the seconds each unit of work took to tests/durations.json (the order "
+                          "pytest-xdist's workers take work in: tests/support/parallel.py)")
+
+
+def pytest_configure(config):
+    from support import parallel
+
+    if config.getoption("record_durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(parallel.Durations(), "tandoor-durations")
+    # the xdist controller (it runs no tests): builds the boards, hands out the work
+    if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
+        from support.board_builds import selected_boards
+
+        config.pluginmanager.register(parallel.Controller(config, selected_boards()), "tandoor-parallel")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

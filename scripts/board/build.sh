@@ -49,17 +49,31 @@ BOARD_PKGS+=(openssh-server)
 
 
 # ------------------------------------------------------------------------------ helpers
+missing_host_tools() {  # the HOST_PKGS not installed, one per line
+  local p
+  for p in "${HOST_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
+  done
+}
+
 ensure_host_tools() {
   [[ "${TANDOOR_SKIP_APT:-0}" == 1 ]] && return 0
-  local missing=() p
-  for p in "${HOST_PKGS[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-  done
+  local missing=()
+  mapfile -t missing < <(missing_host_tools)
   ((${#missing[@]})) || return 0
   command -v apt-get >/dev/null || cannot "needs ${missing[*]} and there is no apt-get"
-  say "installing host tools: ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # the boards build side by side: one apt at a time (a second apt-get fails on dpkg's lock), and
+  # what the other build installed meanwhile is not installed twice
+  mkdir -p "$CACHE_ROOT"
+  exec 8>>"$CACHE_ROOT/host-tools.lock"
+  flock -x 8
+  mapfile -t missing < <(missing_host_tools)
+  if ((${#missing[@]})); then
+    say "installing host tools: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  exec 8>&-
 }
 
 can_run_arm64() {

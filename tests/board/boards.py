@@ -8,11 +8,12 @@ unset, "all" or "1": every one; "0": none; a name or a comma-separated list: tho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -21,35 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support.board_builds import emulated_boards, selected_boards  # noqa: F401 (re-exported for the board tests)
 from support.cli import ROOT
 from tandoor_contract import hmod
 
+HERE = Path(__file__).resolve().parent
 RUN_SH = ROOT / "scripts" / "board" / "run.sh"
-COMMON_SH = ROOT / "scripts" / "board" / "common.sh"
 ATOL = RTOL = 1e-3
 TIMEOUT = 1200
-
-
-def emulated_boards() -> list[str]:
-    """The emulated boards scripts/board/common.sh knows, the default first."""
-    m = re.search(r"^BOARDS=\(([^)]*)\)", COMMON_SH.read_text(), re.M)
-    assert m, f"no BOARDS=(...) in {COMMON_SH}"
-    return m.group(1).split()
-
-
-def selected_boards() -> list[str]:
-    """The boards TANDOOR_BOARD asks for ([] for 0); a name that is no board is a usage error."""
-    want = os.environ.get("TANDOOR_BOARD", "").strip()
-    known = emulated_boards()
-    if want == "0":
-        return []
-    if want in ("", "1", "all"):
-        return known
-    names = [n.strip() for n in want.split(",") if n.strip()]
-    if bad := [n for n in names if n not in known]:
-        raise pytest.UsageError(f"TANDOOR_BOARD={want}: no board {', '.join(bad)}; "
-                                f"choose all, 0 or from {', '.join(known)}")
-    return [n for n in known if n in names]
 
 
 def board_root(name: str) -> str:
@@ -84,11 +64,18 @@ class Board:
 
 
 class EmulatedBoard(Board):
-    """scripts/board/run.sh --board NAME with a host directory shared at /work."""
+    """scripts/board/run.sh --board NAME with a host directory shared at /work.
+
+    Commands go through a fork server on the board (tests/board/forkserver.py): one warm Python
+    there per distinct PYTHON* environment, forking a fresh process per command, so a command does
+    not pay the emulator's 10-20 s of imports. TANDOOR_BOARD_FORKSERVER=0 runs each command through
+    run.sh instead (a cold process each, as before)."""
 
     def __init__(self, name: str, share: Path) -> None:
         self.name, self.share = name, share
         self.describe = f"emulated {name} arm64 (qemu-user, 2 x Cortex-A76 cpuinfo)"
+        self._servers: dict[tuple, _ForkServer] = {}
+        self._forkserver = os.environ.get("TANDOOR_BOARD_FORKSERVER", "1") != "0"
 
     def command(self, args: list[str], env: dict[str, str] | None = None, share: Path | None = None) -> list[str]:
         """The run.sh command line that runs ``args`` on this board (for a Popen of one's own)."""
@@ -111,7 +98,15 @@ class EmulatedBoard(Board):
         return f"/work/{name}"
 
     def run(self, args, env=None, timeout=TIMEOUT):
-        return subprocess.run(self.command(args, env), capture_output=True, text=True, timeout=timeout)
+        if not self._forkserver:
+            return subprocess.run(self.command(args, env), capture_output=True, text=True, timeout=timeout)
+        env = env or {}
+        # what the interpreter reads at start-up (a blocked pyarmnn on PYTHONPATH) needs its own server
+        startup = tuple(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON")))
+        if startup not in self._servers:
+            self._servers[startup] = _ForkServer(self, dict(startup), len(self._servers))
+        return self._servers[startup].run(args, {k: v for k, v in env.items() if not k.startswith("PYTHON")},
+                                          timeout)
 
     def get(self, board_path, local):
         src = self.share / Path(board_path).relative_to("/work")
@@ -120,6 +115,67 @@ class EmulatedBoard(Board):
         else:
             shutil.copy2(src, local)
         return local
+
+    def close(self):
+        for s in self._servers.values():
+            s.stop()
+        self._servers.clear()
+
+
+class _ForkServer:
+    """One tests/board/forkserver.py running on an emulated board, reached through a Unix socket
+    in the shared directory."""
+
+    START_TIMEOUT = 600
+
+    def __init__(self, board: EmulatedBoard, env: dict[str, str], n: int) -> None:
+        d = board.share / ".forkserver"
+        d.mkdir(exist_ok=True)
+        shutil.copy2(HERE / "forkserver.py", d / "forkserver.py")
+        self.sock = d / f"s{n}.sock"
+        self.log = d / f"s{n}.log"
+        ready = Path(f"{self.sock}.ready")
+        ready.unlink(missing_ok=True)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                board.command([f"{board.venv}/bin/python", "/work/.forkserver/forkserver.py",
+                               f"/work/.forkserver/{self.sock.name}"], env),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.START_TIMEOUT
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the fork server on {board.describe} did not start "
+                                   f"(exit {self.proc.returncode}): {self.log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.2)
+
+    def run(self, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        import socket
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout + 120)
+            s.connect(str(self.sock))
+            f = s.makefile("rwb")
+            f.write((json.dumps({"argv": list(args), "env": env, "timeout": timeout}) + "\n").encode())
+            f.flush()
+            line = f.readline()
+        if not line:
+            raise RuntimeError(f"the board's fork server dropped the command {args[:3]}: "
+                               f"{self.log.read_text(errors='replace')[-2000:]}")
+        r = json.loads(line)
+        if r.get("timed_out"):
+            raise subprocess.TimeoutExpired(args, timeout, r["stdout"], r["stderr"])
+        return subprocess.CompletedProcess(args, r["rc"], r["stdout"], r["stderr"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
 
 class SshBoard(Board):
