@@ -36,7 +36,7 @@ import hashlib
 import json
 import os
 import platform
-import time
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,10 +134,6 @@ def _machine() -> dict[str, str]:
     return {"arch": platform.machine(), "cpu": hashlib.sha256(cpu.encode()).hexdigest()[:16]}
 
 
-def _file_digest(path: Path) -> str:
-    return durable.sha256_file(path)
-
-
 def _external_data(model: Path) -> list[str]:
     """Files next to the model that its tensors name as external data (their bytes are the model's)."""
     try:
@@ -163,16 +159,16 @@ def key(model: str | Path, opts: Any, targets: list[str]) -> str:
             continue
         v = getattr(opts, f.name)
         if f.name in FILE_OPTIONS and v is not None:
-            v = _file_digest(Path(v))
+            v = durable.sha256_file(Path(v))
         fields[f.name] = v
     fields["targets"] = list(targets)
     ext = {}
     for name in _external_data(model):
         p = model.parent / name
-        ext[name] = _file_digest(p) if p.is_file() else "missing"
+        ext[name] = durable.sha256_file(p) if p.is_file() else "missing"
     recipe = {
         "cache_version": CACHE_VERSION,
-        "model": _file_digest(model),
+        "model": durable.sha256_file(model),
         "external_data": ext,
         "options": fields,
         "source": source_fingerprint(),
@@ -216,9 +212,7 @@ def put(k: str, bundle: Path, meta: dict) -> Entry | None:
         root.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
         try:
-            with open(bundle, "rb") as src, open(tmp, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    out.write(chunk)
+            shutil.copyfile(bundle, tmp)
             os.replace(tmp, dst)
         finally:
             tmp.unlink(missing_ok=True)
@@ -318,7 +312,3 @@ def clear() -> int:
             with contextlib.suppress(OSError):
                 p.unlink()
     return n
-
-
-def now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())

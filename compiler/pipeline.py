@@ -258,27 +258,37 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     say("recording golden input/output pairs with onnxruntime")
     with stage("golden", timings):
         golden = _golden_members(loaded, members)
-    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, golden, model)
-    manifest.update(_media(opts, [i.as_dict() for i in loaded.inputs], members))
+    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, golden, model, members)
     if ckey is not None:
         manifest["cache"] = {"key": ckey, "hit": False}
     with stage("golden", timings):   # a QDQ model: golden within quantization steps, not fp32's tolerance
         manifest.update(quantize.manifest_entries(loaded, int8_share=(
             manifest["flops_delegated_int8"] / manifest["flops_total"] if manifest["flops_total"] else 0.0)) or {})
-    staged = out_path.with_name(f".{out_path.name}.unchecked")
-    try:
-        say(f"writing {out_path.name}")
-        with stage("write", timings):
-            written = hmod.write_bundle(staged, manifest, members, private_key=key)
-        if opts.check:
-            say("checking the bundle: its golden self-test with the host lib")
-            with stage("check", timings):
-                _self_check(staged)
+
+    def keep(staged: Path, written: dict) -> None:     # the checked bundle, before it is the user's
         if ckey is not None:
             with stage("cache", timings):
                 cache_mod.put(ckey, staged, {"checked": opts.check, "compiled": written["created"],
                                              "model": written["model"]["name"], "source": Path(model).name,
                                              "targets": list(written["targets"])})
+
+    return _write(out_path, manifest, members, key, opts.check, say, timings, then=keep)
+
+
+def _write(out_path: Path, manifest: dict, members: dict, key, check: bool, say, timings: dict | None,
+           then: Callable[[Path, dict], None] = lambda staged, written: None) -> dict:
+    """Write the bundle beside ``out_path``, self-check it (``check``), call ``then`` on it, and only
+    then move it to ``out_path``: a failure anywhere leaves whatever was there."""
+    staged = out_path.with_name(f".{out_path.name}.unchecked")
+    try:
+        say(f"writing {out_path.name}")
+        with stage("write", timings):
+            written = hmod.write_bundle(staged, manifest, members, private_key=key)
+        if check:
+            say("checking the bundle: its golden self-test with the host lib")
+            with stage("check", timings):
+                _self_check(staged)
+        then(staged, written)
         os.replace(staged, out_path)
         durable.fsync_dir(out_path.parent)
     finally:
@@ -301,29 +311,16 @@ def _from_cache(entry: cache_mod.Entry, out_path: Path, opts: Options, key, say,
             return None
     manifest.pop("files", None)
     manifest.pop("format_version", None)
-    manifest.update(_media(opts, [{k: v for k, v in i.items() if k != "layout"} for i in manifest["inputs"]],
-                           members))
+    manifest.update(_media(opts, manifest["inputs"], members))
     manifest["model"] = {**manifest["model"], "version": opts.version}
     manifest.pop("build", None)
     if opts.build is not None:
         manifest["build"] = int(opts.build)
     manifest["cache"] = {"key": entry.key, "hit": True, "compiled": manifest.get("created")}
     manifest["created"] = _now()
-    staged = out_path.with_name(f".{out_path.name}.unchecked")
-    try:
-        say(f"writing {out_path.name}")
-        with stage("write", timings):
-            written = hmod.write_bundle(staged, manifest, members, private_key=key)
-        if opts.check and not entry.meta.get("checked"):
-            say("checking the bundle: its golden self-test with the host lib")
-            with stage("check", timings):
-                _self_check(staged)
-            cache_mod.mark_checked(entry)
-        os.replace(staged, out_path)
-        durable.fsync_dir(out_path.parent)
-    finally:
-        staged.unlink(missing_ok=True)
-    return written
+    check = opts.check and not entry.meta.get("checked")
+    return _write(out_path, manifest, members, key, check, say, timings,
+                  then=lambda staged, written: cache_mod.mark_checked(entry) if check else None)
 
 
 def _now() -> str:
@@ -406,7 +403,7 @@ def _measure_here(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say) -
     target_entries = _build(candidates, fallbacks, host, members, say)
     golden = _golden_members(loaded, members)
     manifest = _manifest(loaded, opts, candidates, {"layout_transposes": 0}, parts_manifest, target_entries,
-                         golden, loaded.path)
+                         golden, loaded.path, members)
     with tempfile.TemporaryDirectory(prefix="tandoor-measure-") as tmp:
         bundle, prof = Path(tmp) / "candidates.hmod", Path(tmp) / "profile.json"
         hmod.write_bundle(bundle, manifest, members)
@@ -529,7 +526,7 @@ def _golden_members(loaded: frontend.LoadedModel, members: dict) -> list[dict]:
 
 
 def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, target_entries, golden,
-              model) -> dict:
+              model, members: dict) -> dict:
     import tvm
 
     result, kept = plan.result, plan.kept
@@ -540,13 +537,8 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
         "tandoor_version": _tandoor_version(),
         "created": _now(),
         "targets": target_entries,
-        # how frames become inputs and what decodes the outputs: _media, applied by the caller
-        "inputs": [{**i.as_dict(), "layout": (opts.layout or media.guess_layout(i.shape)) if len(i.shape) == 4
-                    else None} for i in loaded.inputs],
+        **_media(opts, [i.as_dict() for i in loaded.inputs], members),   # inputs, preprocess, postprocess, labels
         "outputs": [o.as_dict() for o in loaded.outputs],
-        "preprocess": None,
-        "postprocess": None,
-        "labels": None,
         "partitions": parts_manifest,
         "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],
         "ops_total": result.ops_total,

@@ -25,12 +25,28 @@ BLOCKED_MODULES = ("torch",)
 
 
 class _Blocked(importlib.abc.MetaPathFinder):
-    """Makes ``import torch`` fail as if torch were not installed (tvm_ffi then skips it)."""
+    """Makes ``import torch`` fail as if torch were not installed: for everyone, or (``importers``)
+    only when a module of those packages asks for it."""
+
+    def __init__(self, importers: tuple[str, ...] | None = None) -> None:
+        self.importers = importers
 
     def find_spec(self, name, path=None, target=None):
-        if name.split(".", 1)[0] in BLOCKED_MODULES:
+        if name.split(".", 1)[0] not in BLOCKED_MODULES:
+            return None
+        if self.importers is None:
             raise ModuleNotFoundError(f"No module named {name!r} (the Tandoor agent does not import it)", name=name)
+        f = sys._getframe(1)
+        while f is not None:
+            if str(f.f_globals.get("__name__", "")).split(".", 1)[0] in self.importers:
+                raise ModuleNotFoundError(f"No module named {name!r} (hidden from TVM)", name=name)
+            f = f.f_back
         return None
+
+
+def _block(importers: tuple[str, ...] | None) -> None:
+    if not any(isinstance(f, _Blocked) and f.importers in (None, importers) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Blocked(importers))
 
 
 def runtime_only() -> bool:
@@ -46,22 +62,7 @@ def runtime_only() -> bool:
 def keep_torch_out() -> None:
     """``import torch`` fails in this process from now on (the agent's processes: nothing in them
     needs torch, and ``importlib.util.find_spec("torch")`` raising is fine there)."""
-    if not any(isinstance(f, _Blocked) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Blocked())
-
-
-class _BlockedForTvm(importlib.abc.MetaPathFinder):
-    """Makes ``import torch`` fail when TVM (tvm, tvm_ffi) asks for it, and only then."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".", 1)[0] not in BLOCKED_MODULES:
-            return None
-        f = sys._getframe(1)
-        while f is not None:
-            if str(f.f_globals.get("__name__", "")).split(".", 1)[0] in ("tvm", "tvm_ffi"):
-                raise ModuleNotFoundError(f"No module named {name!r} (hidden from TVM)", name=name)
-            f = f.f_back
-        return None
+    _block(None)
 
 
 def tvm_without_torch() -> None:
@@ -70,8 +71,7 @@ def tvm_without_torch() -> None:
     command that imports tvm 3.5 s (``import tvm, tvm.relax``: 6.5 s with torch, 3.0 s without, on
     this 2-core host); onnxruntime's quantization tools, which look for torch with ``find_spec``,
     must still find it (a block for everyone breaks them)."""
-    if not any(isinstance(f, (_Blocked, _BlockedForTvm)) for f in sys.meta_path):
-        sys.meta_path.insert(0, _BlockedForTvm())
+    _block(("tvm", "tvm_ffi"))
 
 
 def mapped_libraries(pid: int | str = "self") -> set[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -64,14 +64,10 @@ class Scheduler(LoadGroupScheduling):
     def __init__(self, config, log, controller: Controller) -> None:
         super().__init__(config, log)
         self.controller = controller
+        self.estimates = recorded()
 
     def _split_scope(self, nodeid: str) -> str:
         return scope_of(nodeid)
-
-    def _order(self) -> None:
-        est = recorded()
-        units = sorted(self.workqueue.items(), key=lambda kv: -est.get(kv[0], DEFAULT_S * len(kv[1])))
-        self.workqueue = OrderedDict(units)
 
     def _ready(self, scope: str) -> bool:
         if not scope.startswith(BOARD_GROUP):
@@ -79,12 +75,10 @@ class Scheduler(LoadGroupScheduling):
         return self.controller.board_built(scope[len(BOARD_GROUP):])
 
     def _assign_work_unit(self, node) -> None:
-        if not getattr(self, "_ordered", False):
-            self._order()
-            self._ordered = True
-        scope = next((s for s in self.workqueue if self._ready(s)), None)
-        if scope is not None and scope != next(iter(self.workqueue)):
-            self.workqueue.move_to_end(scope, last=False)
+        """The longest unit that can start now (or, when only unbuilt boards are left, the longest)."""
+        ready = [s for s in self.workqueue if self._ready(s)] or list(self.workqueue)
+        scope = max(ready, key=lambda s: self.estimates.get(s, DEFAULT_S * len(self.workqueue[s])))
+        self.workqueue.move_to_end(scope, last=False)
         super()._assign_work_unit(node)
 
 
