@@ -540,6 +540,11 @@ def _verify(p: Path, zf: zipfile.ZipFile, keys: list[Ed25519PublicKey],
     signed = SIGNATURE in names
     verified_by = None
     if not signed and require_signature:
+        files = manifest.get("files")
+        extra = sorted(set(names) - set(files) - _RESERVED) if isinstance(files, dict) else []
+        if extra:  # e.g. a renamed manifest.sig: name the member, the true cause
+            raise ExtraMember(f"{p}: member(s) {extra} are not listed in the manifest, and there is no "
+                              f"{SIGNATURE} (was it renamed?)")
         raise UnsignedBundle(f"{p} is not signed but trusted keys are configured")
     if signed and keys:
         try:

@@ -175,6 +175,19 @@ def test_unsigned_with_keys(tmp_path: Path, keys: dict) -> None:
         hmod.open_bundle(out, require_signature=True)
 
 
+def test_a_renamed_signature_is_named_as_the_unlisted_member_it_is(tmp_path: Path, keys: dict) -> None:
+    """manifest.sig renamed: with or without trusted keys the answer is the true cause, the
+    member the manifest does not list (and, with keys, that the bundle has no signature)."""
+    out = _write(tmp_path, key=keys["priv"])
+    with zipfile.ZipFile(out) as zf:
+        sig = zf.read(hmod.SIGNATURE)
+    renamed = _rezip(out, tmp_path / "renamed.hmod", drop={hmod.SIGNATURE}, add=[(_entry("manifest.sig.old"), sig)])
+    with pytest.raises(ExtraMember, match=r"\['manifest.sig.old'\] are not listed in the manifest"):
+        hmod.open_bundle(renamed)
+    with pytest.raises(ExtraMember, match=r"\['manifest.sig.old'\] are not listed .*no manifest.sig"):
+        hmod.open_bundle(renamed, trusted_keys=[keys["pub"]])
+
+
 def test_flipped_manifest_byte_breaks_signature(tmp_path: Path, keys: dict) -> None:
     out = _write(tmp_path, key=keys["priv"])
     with zipfile.ZipFile(out) as zf:
