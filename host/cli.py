@@ -23,6 +23,7 @@ from tandoor_compiler.errors import CompileError
 from tandoor_contract import hmod, media, orders
 from tandoor_contract.errors import TandoorError
 
+from .inputs import InputFile
 from .quantize import accuracy_options, budget_options, check_budget, judge, keep_fp32_option, quantize, verify_on_images
 
 DEBUG = os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
@@ -141,7 +142,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=InputFile("model"))
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Bundle to write (.hmod). Written atomically: a failed compile leaves nothing there.")
 @click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224",
@@ -289,7 +290,7 @@ def _decided_from(manifest: dict) -> str:
 
 
 @main.command()
-@click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("bundle", type=InputFile("bundle"))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--graph", type=click.Path(dir_okay=False, path_type=Path), help="Draw the partitioned graph (SVG).")
 @debug_option
@@ -313,8 +314,8 @@ def inspect(bundle, as_json, graph):
 
 
 @main.command()
-@click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--reference", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The source ONNX model.")
+@click.argument("bundle", type=InputFile("bundle"))
+@click.option("--reference", required=True, type=InputFile("model"), help="The source ONNX model.")
 @click.option("--delegate", type=click.Choice(("auto", *orders.EXECUTORS)), default="onnxruntime",
               show_default=True, help="Executor for the delegated subgraphs.")
 @click.option("--random", "n_random", default=3, show_default=True, help="Random inputs besides the golden ones.")
@@ -352,7 +353,7 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=InputFile("model"))
 @click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224", help="Pin an input's shape (repeatable).")
 @click.option("--runs", default=20, show_default=True, help="Timed runs per path (medians are reported).")
 @click.option("--warmup", default=5, show_default=True, help="Warm-up runs per path, not timed.")
@@ -365,7 +366,7 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write the latency breakdown as a PNG.")
 @click.option("--kernels", is_flag=True, help="Also time TVM's kernels and onnxruntime's nodes, by op pattern.")
-@click.option("--int8", "int8_model", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--int8", "int8_model", type=InputFile("model"), default=None,
               metavar="INT8.onnx", help="Instead: MODEL (fp32) against this QDQ model of it (tandoor quantize), "
                                         "through onnxruntime, TVM and the hybrid, with the bundle sizes.")
 @click.option("--images", type=click.Path(path_type=Path), default=None,
@@ -417,7 +418,7 @@ def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json
 
 
 @main.command()
-@click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("bundle", type=InputFile("bundle"))
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the profile here (for 'tandoor compile --profile').")
 @click.option("--runs", default=20, show_default=True, help="Timed runs per measurement (fewer for calls > 0.25 s).")

@@ -13,6 +13,8 @@ import click
 from tandoor_compiler.errors import CompileError
 from tandoor_contract import durable, media
 
+from .inputs import InputFile
+
 # The options that say how a frame becomes the input: the same names, choices and meaning as
 # `tandoor compile`'s, so that one set of flags describes the model to both commands.
 PREPROCESS_OPTIONS = (
@@ -103,7 +105,7 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
 
 
 @click.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=InputFile("model"))
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="INT8 model to write (.onnx, QDQ format). Written atomically.")
 @click.option("--calibration", required=True, type=click.Path(path_type=Path),

@@ -25,6 +25,28 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], atol: float, rtol: fl
     return max_abs, max_rel, ok
 
 
+def _same_inputs(manifest: dict, ref_path: Path) -> None:
+    """The reference must take the bundle's inputs (by name): another model is said to be
+    another model, not a complaint about an --input nobody gave."""
+    import onnx
+
+    from tandoor_compiler.errors import CompileError
+
+    try:
+        g = onnx.load(str(ref_path), load_external_data=False).graph
+    except Exception:
+        return  # not readable as ONNX: frontend.load says why, in its words
+    inits = {i.name for i in g.initializer}
+    theirs = [i.name for i in g.input if i.name not in inits]
+    ours = [i["name"] for i in manifest["inputs"]]
+    if set(ours) - set(theirs):
+        same = ("" if manifest["model"].get("source_sha256") == hashlib.sha256(ref_path.read_bytes()).hexdigest()
+                else " (nor its sha256)")
+        raise CompileError(f"--reference {ref_path} is not the model this bundle was compiled from: the bundle's "
+                           f"inputs are {', '.join(ours)}, its inputs are {', '.join(theirs) or 'none'}{same}; give "
+                           f"the ONNX file the bundle was compiled from")
+
+
 def verify(bundle_path: str | Path, reference: str | Path, delegate: str = "onnxruntime",
            random_inputs: int = 3, trusted_keys=()) -> dict:
     import onnxruntime as ort
@@ -35,6 +57,7 @@ def verify(bundle_path: str | Path, reference: str | Path, delegate: str = "onnx
     with hmod.open_bundle(bundle_path, trusted_keys=trusted_keys) as bundle:
         m = bundle.manifest
         tol = m.get("tolerance", {"atol": 1e-3, "rtol": 1e-3})
+        _same_inputs(m, ref_path)
         pins = [f"{i['name']}=" + "x".join(str(d) for d in i["shape"]) for i in m["inputs"]]
         ref = frontend.load(ref_path, pins)
         so = ort.SessionOptions()
