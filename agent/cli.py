@@ -35,6 +35,7 @@ import numpy as np
 from tandoor_contract import hmod
 from tandoor_contract.errors import TandoorError
 
+from . import failpoints
 from .run import executors
 from .serve import service
 
@@ -66,12 +67,6 @@ def _fail(err: BaseException) -> None:
             msg += " (tandoor-agent --debug ... prints the traceback)"
     click.echo(f"tandoor-agent: error: {msg}", err=True)
     sys.exit(code)
-
-
-def _failpoint(name: str) -> None:
-    """TANDOOR_FAILPOINT=agent:<name> fails there, as compile's stages do (tests of that path)."""
-    if os.environ.get("TANDOOR_FAILPOINT") == f"agent:{name}":
-        raise RuntimeError(f"failpoint agent:{name}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
@@ -253,7 +248,7 @@ def _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, i
 
     if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
         raise UsageError_(f"--save-outputs {save_dir} is not a directory")
-    _failpoint("run")
+    failpoints.hit("run")
     with hmod.open_bundle(bundle, trusted_keys=keys) as b:
         b.lib_for()  # refuse a bundle without a lib for this machine before anything else
         m = b.manifest

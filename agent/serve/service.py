@@ -38,6 +38,7 @@ from typing import Any
 
 import click
 
+from .. import failpoints
 from . import config as config_mod
 from .capture import Capture
 from .config import Config, ConfigError
@@ -92,6 +93,7 @@ class Model:
         from ..run.runtime import HybridModule
 
         try:
+            failpoints.hit("build", self.info["sha256"])
             self.module = HybridModule(self.bundle, delegate=cfg["delegate"],
                                        armnn_backends=tuple(cfg["armnn_backends"]))
             self.pipeline = Pipeline(self.module, self.bundle.manifest, top_k=cfg["top_k"],

@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from tandoor_contract import hmod
+from tandoor_contract import durable, hmod
+from .. import failpoints
 from ..run import executors
 
 DEFAULT_FRAMES = 20
@@ -153,6 +154,7 @@ def health_check(bundle_path: str | os.PathLike, trusted_keys: Iterable[hmod.Key
         if not golden:
             return done("golden self-test failed: the bundle has no golden pairs to test with")
 
+        failpoints.hit("health-load", lambda: durable.sha256_file(bundle_path))
         if make_module is None:
             from ..run.runtime import HybridModule as make_module
         try:
