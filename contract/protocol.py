@@ -106,6 +106,9 @@ JOB_STATES: dict[str, JobState] = {s.name: s for s in [
     JobState("verified", False, "whole-file sha256, signature, format and arch checked"),
     JobState("staged", False, "installed into the inactive slot"),
     JobState("trial", False, "the new slot is on trial: the health gate runs"),
+    JobState("confirming", False, "committed, but the agent restarted before it answered: it starts the model "
+                                  "again, counting the starts it dies in, until it has served (then committed) or "
+                                  "the starts run out (then rolled_back, kind crash_loop)"),
     JobState("committed", True, "the health gate passed; the device serves the new model", ok=True),
     JobState("rolled_back", True, "the trial failed (health gate, swap, restart): the old model serves"),
     JobState("failed", True, "refused or abandoned before a trial (kind and reason say why)"),
@@ -125,50 +128,61 @@ def is_final(state: str) -> bool:
 @dataclass(frozen=True)
 class Kind:
     name: str
-    state: str                # the final state it goes with
+    states: tuple[str, ...]   # the final state(s) it goes with (an I/O error before or during a trial)
     recorded: bool            # kept in finals.json: the same job offered again gets the same answer
     doc: str
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in [
     # refused before anything was downloaded or installed
-    Kind("malformed", "failed", False, "the offer breaks the rules of the offer (reason names the field)"),
-    Kind("busy", "failed", False, "another job runs (reason names it, its progress and when it expires)"),
-    Kind("stale", "failed", True, "the job's deadline had passed when it was offered"),
-    Kind("not_supported", "failed", False, "the agent serves an explicit bundle (no slot_dir)"),
-    Kind("downgrade", "failed", True, "older than the committed model (version or build time); "
-                                      "the job may say allow_downgrade"),
+    Kind("malformed", ("failed",), False, "the offer breaks the rules of the offer (reason names the field)"),
+    Kind("busy", ("failed",), False, "another job runs (reason names it, its progress and when it expires)"),
+    Kind("stale", ("failed",), True, "the job's deadline had passed when it was offered"),
+    Kind("not_supported", ("failed",), False, "the agent serves an explicit bundle (no slot_dir)"),
+    Kind("downgrade", ("failed",), True, "older than the committed model (version or build time); "
+                                         "the job may say allow_downgrade"),
     # the transfer
-    Kind("expired", "failed", True, "the deadline passed before the download was complete"),
-    Kind("stalled", "failed", False, "no progress for the job's stall timeout"),
-    Kind("chunk_hash", "failed", True, "a chunk failed its sha256 check too many times"),
-    Kind("download", "failed", False, "the artifact URL kept failing until the stall timeout"),
-    Kind("sha256_mismatch", "failed", True, "the whole file is not the job's sha256"),
-    Kind("no_space", "failed", False, "not enough disk to stage or install; the running model is untouched"),
-    Kind("io_error", "failed", False, "a write failed; the running model is untouched"),
+    Kind("expired", ("failed",), True, "the deadline passed before the download was complete"),
+    Kind("stalled", ("failed",), False, "no progress for the job's stall timeout"),
+    Kind("chunk_hash", ("failed",), True, "a chunk failed its sha256 check too many times"),
+    Kind("download", ("failed",), False, "the artifact URL kept failing until the stall timeout"),
+    Kind("sha256_mismatch", ("failed",), True, "the whole file is not the job's sha256"),
+    Kind("no_space", ("failed", "rolled_back"), False,
+         "the disk was full (staging, installing, or writing the trial's outcome: then rolled back); "
+         "the running model is untouched"),
+    Kind("io_error", ("failed", "rolled_back"), False,
+         "a read or write failed (before or during the trial: then rolled back); the running model is untouched"),
     # the bundle (hmod errors, through slots.InstallRefused)
-    Kind("bad_signature", "failed", True, "not signed by a trusted key"),
-    Kind("retired_key", "failed", True, "signed by a key that was retired (update/keys)"),
-    Kind("unsigned", "failed", True, "no signature while keys are trusted"),
-    Kind("hash_mismatch", "failed", True, "a member's sha256 differs from the manifest"),
-    Kind("not_a_bundle", "failed", True, "not a bundle (truncated, not a ZIP, no manifest)"),
-    Kind("unsafe_member", "failed", True, "a member name that could escape (path tricks, links)"),
-    Kind("missing_member", "failed", True, "a member the manifest lists is not there"),
-    Kind("extra_member", "failed", True, "a member the manifest does not list"),
-    Kind("format_version", "failed", True, "a format version this agent does not read"),
-    Kind("wrong_arch", "failed", True, "no library for this machine"),
-    Kind("key_file", "failed", True, "a trusted key file could not be read (the device's configuration)"),
-    Kind("bundle_error", "failed", True, "another bundle refusal (reason says which)"),
-    Kind("internal", "failed", True, "a bug: the reason carries the error"),
+    Kind("bad_signature", ("failed",), True, "not signed by a trusted key"),
+    Kind("retired_key", ("failed",), True, "signed by a key that was retired (update/keys)"),
+    Kind("unsigned", ("failed",), True, "no signature while keys are trusted"),
+    Kind("hash_mismatch", ("failed",), True, "a member's sha256 differs from the manifest"),
+    Kind("not_a_bundle", ("failed",), True, "not a bundle (truncated, not a ZIP, no manifest)"),
+    Kind("unsafe_member", ("failed",), True, "a member name that could escape (path tricks, links)"),
+    Kind("missing_member", ("failed",), True, "a member the manifest lists is not there"),
+    Kind("extra_member", ("failed",), True, "a member the manifest does not list"),
+    Kind("format_version", ("failed",), True, "a format version this agent does not read"),
+    Kind("wrong_arch", ("failed",), True, "no library for this machine"),
+    Kind("key_file", ("failed",), True, "a trusted key file could not be read (the device's configuration)"),
+    Kind("bundle_error", ("failed",), True, "another bundle refusal (reason says which)"),
+    Kind("internal", ("failed", "rolled_back"), True, "a bug: the reason carries the error"),
     # after the trial started
-    Kind("unhealthy", "rolled_back", True, "the health gate failed (golden, errors, p95)"),
-    Kind("swap_failed", "rolled_back", True, "the committed model did not load in the agent"),
-    Kind("restarted", "rolled_back", True, "the agent restarted before the trial was committed"),
-    Kind("crash_loop", "rolled_back", True, "the committed model crashed the agent at N starts in a row"),
+    Kind("unhealthy", ("rolled_back",), True, "the health gate failed (golden, errors, p95)"),
+    Kind("swap_failed", ("rolled_back",), True, "the committed model did not load in the agent"),
+    Kind("swap_timeout", ("rolled_back",), True, "the committed model did not load in the agent within "
+                                                 "update.swap_timeout_s (a hung library): the old one serves on"),
+    Kind("rollback", ("rolled_back",), True, "the operator rolled the committed model back (`tandoor fleet rollback`)"),
+    Kind("restarted", ("rolled_back",), True, "the agent restarted before the trial was committed"),
+    Kind("crash_loop", ("rolled_back",), True, "the committed model crashed the agent at N starts in a row"),
     # cancelled
-    Kind("cancelled", "cancelled", True, "the fleet cancelled the job"),
-    Kind("superseded", "cancelled", True, "a newer job was offered while this one was still downloading"),
+    Kind("cancelled", ("cancelled",), True, "the fleet cancelled the job"),
+    Kind("superseded", ("cancelled",), True, "a newer job was offered while this one was still downloading"),
 ]}
+
+
+def kind_fits(kind: str | None, state: str) -> bool:
+    """Whether a final ack in ``state`` may carry ``kind`` (no kind: yes; an unknown kind: no)."""
+    return kind is None or (kind in KINDS and state in KINDS[kind].states)
 
 
 def recorded(kind: str | None) -> bool:

@@ -116,7 +116,7 @@ class SimDevice:
         store.commit(f"health gate passed ({rep.summary()})")
         return rep
 
-    def _swap(self) -> None:
+    def _swap(self, timeout_s: float = 0.0) -> None:
         self.c.publish(f"{self.base}/status", json.dumps(self.status()), qos=1, retain=True)
 
     def start(self) -> SimDevice:

@@ -283,6 +283,14 @@ KEYS: tuple[Key, ...] = (
     Key("snapshot.quality", 80, integer(10, 100), "JPEG quality of the snapshots."),
     Key("capture_dir", "", path(None),
         "Where the capture command saves camera frames for calibration; empty: <slot_dir>/captures."),
+
+    # an update's two steps that run the new model's library, each with a deadline (update/deadlines.py)
+    Key("update.health_timeout_s", 0.0, number(0.0, 3600.0),
+        "Seconds the health gate's check may run before it fails (a hung library); 0: 10x the load time "
+        "measured on this device, 60..300 s."),
+    Key("update.swap_timeout_s", 0.0, number(0.0, 3600.0),
+        "Seconds the hot swap may take to load the committed model before the commit is rolled back "
+        "(swap_timeout; the previous model serves on); 0: 10x the load time its gate measured, at least 15 s."),
 )
 KEY_BY_NAME = {k.name: k for k in KEYS}
 TABLES = sorted({k.name.rsplit(".", 1)[0] for k in KEYS if "." in k.name})

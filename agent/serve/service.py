@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +70,26 @@ def agent_version() -> str:
 
 
 class Model:
-    """An opened bundle made runnable: bundle + HybridModule + Pipeline, closed together."""
+    """An opened bundle made runnable: bundle + HybridModule + Pipeline, closed together.
 
-    def __init__(self, cfg: Config) -> None:
+    ``trust(slot)`` gives the keys to open a slot's bundle with and the sha256 it must have
+    (trust is decided at install: the key that verified it then, for the bytes it verified), or
+    raises when nothing can be trusted; without it, the config's trusted keys."""
+
+    def __init__(self, cfg: Config, trust: Callable[[str | None], tuple[list, str | None]] | None = None) -> None:
         from tandoor_contract import hmod
 
         self.path, self.slot = config_mod.resolve_bundle(cfg)
-        self.bundle = hmod.open_bundle(self.path, trusted_keys=cfg["trusted_keys"])
+        keys, want = trust(self.slot) if trust is not None else (cfg["trusted_keys"], None)
+        sha = durable.sha256_file(self.path) if self.path.is_file() else None
+        if want is not None and sha != want:
+            raise hmod.HashMismatch(f"{self.path} is not the bundle slot {self.slot} installed (sha256 "
+                                    f"{str(sha)[:16]}..., installed {want[:16]}...)")
+        self.bundle = hmod.open_bundle(self.path, trusted_keys=keys)
         try:
             self.bundle.lib_for()
             m = self.bundle.manifest
-            self.info = {"name": m["model"]["name"], "version": m["model"].get("version"),
-                         "sha256": durable.sha256_file(self.path)}
+            self.info = {"name": m["model"]["name"], "version": m["model"].get("version"), "sha256": sha}
             self.module = None
             self.pipeline = None
         except BaseException:
@@ -167,6 +176,7 @@ class Service:
         self._stop_reason: str | None = None
         self.updater = None
         self._pending_swap: tuple[Model, threading.Event] | None = None
+        self._swap_lock = threading.Lock()  # hands a built model to the loop, or abandons it, never both
         self.swaps = 0
         self.snapshots = None  # snapshot.Snapshots, once the link exists
         self.capture = None    # capture.Capture while the capture command saves frames
@@ -185,8 +195,13 @@ class Service:
                 s["camera_lost"] = lost
         if self.error:
             s["error"] = self.error
-        if self.updater is not None and self.updater.notice:
-            s["update"] = self.updater.notice  # e.g. a crash loop rolled back at this start
+        if self.updater is not None:
+            if self.updater.notice:
+                s["update"] = self.updater.notice  # e.g. a crash loop rolled back at this start
+            if self.updater.recovered():
+                s["recovered"] = self.updater.recovered()  # a damaged state.json or keyring, repaired
+            if self.updater.store is not None:
+                s["keyring"] = self.updater.keys.status()
         return s
 
     def request_stop(self, reason: str) -> None:
@@ -242,7 +257,8 @@ class Service:
                     raise ConfigError(f"{cmd} needs slot_dir (this agent serves an explicit bundle)")
                 if cmd == "update-status":
                     result = {"busy": self.updater.busy, "slots": self.updater.store.status(),
-                              "counters": dict(self.updater.counters)}
+                              "counters": dict(self.updater.counters), "deadlines": self.updater.deadlines.status(),
+                              "keyring": self.updater.keys.status(), "recovered": self.updater.recovered()}
                 else:
                     # off the loop: the new model is built in the background and swapped in
                     threading.Thread(target=self._rollback_cmd, args=(req, args), daemon=True).start()
@@ -279,7 +295,7 @@ class Service:
         stays (and the error is the response)."""
         old = self.model
         self.notifier.status("reloading the bundle")
-        new = Model(self.cfg).build(self.cfg)  # closes itself when it fails
+        new = Model(self.cfg, self._trust).build(self.cfg)  # closes itself when it fails
         self.model = new
         if self.telemetry is not None:
             self.telemetry.reset_latency()
@@ -298,6 +314,8 @@ class Service:
         from ..update.jobs import Updater
         from ..update.slots import StateCorrupt
 
+        from ..update.deadlines import Deadlines
+
         cfg = self.cfg
         store = None
         if not cfg["bundle"]:
@@ -307,7 +325,8 @@ class Service:
         up = Updater(store, cfg.topic_base, self.link.publish_raw, trusted_keys=cfg["trusted_keys"],
                      delegate=cfg["delegate"], swap=self._swap_committed, device_id=cfg["device_id"],
                      subscribe=self.link.subscribe_raw, unsubscribe=self.link.unsubscribe_raw,
-                     served=lambda: self.frames)
+                     served=lambda: self.frames,
+                     deadlines=Deadlines(cfg["update.health_timeout_s"], cfg["update.swap_timeout_s"]))
         try:
             for note in up.recover():
                 log.warning("update recovery: %s", note)
@@ -317,22 +336,75 @@ class Service:
             log.error("slot recovery failed: %s", " ".join(str(err).split()))
         return up
 
+    def _trust(self, slot: str | None) -> tuple[list, str | None]:
+        """The keys a bundle opens with and the sha256 it must have (see Model): a slot's
+        bundle with the key that verified it at install; anything else with the keys trusted now,
+        and nothing at all when keys are configured but none is trusted (fail closed)."""
+        from tandoor_contract import hmod
+
+        up = self.updater
+        if up is not None and up.store is not None and slot is not None:
+            t = up.store.install_trust(slot)
+            if t is not None:
+                return t
+        why = up.keys.refusal() if up is not None else None
+        if why:
+            raise hmod.BadSignature(why)
+        return self.cfg["trusted_keys"], None
+
     def _swap_committed(self, timeout: float = 120.0) -> None:
-        """Called off the loop (updater thread): build the newly committed slot's model here, then
-        let the loop swap the reference between two frames; returns once it serves."""
-        new = Model(self.cfg).build(self.cfg)  # closes itself when it fails
-        try:
-            new.pipeline.warmup(2)  # first runs allocate and bind: here, not on the first served frame
-        except BaseException:
-            new.close()
-            raise
-        done = threading.Event()
-        self._pending_swap = (new, done)
-        if not done.wait(timeout):
-            raise ServiceError(f"the serving loop did not take the new model within {timeout:g} s")
+        """Called off the loop (updater thread): build the newly committed slot's model in a
+        thread of its own, then let the loop swap the reference between two frames; returns
+        once it serves. Past ``timeout`` (a library that never returns) it raises SwapTimeout
+        and the model is abandoned: the loop never gets it, even if it finishes later."""
+        from ..update.deadlines import WARMUP_RUNS
+        from ..update.jobs import SwapTimeout
+
+        deadline = time.monotonic() + timeout
+        box: dict[str, Any] = {}
+        abandoned = threading.Event()
+
+        def build() -> None:
+            try:
+                new = Model(self.cfg, self._trust).build(self.cfg)  # closes itself when it fails
+            except BaseException as e:
+                box["error"] = e
+                return
+            try:
+                new.pipeline.warmup(WARMUP_RUNS)  # first runs allocate and bind: here, not on the first served frame
+            except BaseException as e:
+                new.close()
+                box["error"] = e
+                return
+            with self._swap_lock:
+                if abandoned.is_set():
+                    new.close()
+                    log.warning("the hot swap given up at its deadline finished loading after all: discarded")
+                    return
+                box["done"] = threading.Event()
+                self._pending_swap = (new, box["done"])
+
+        t = threading.Thread(target=build, name="tandoor-swap-build", daemon=True)
+        t.start()
+        t.join(timeout)
+        with self._swap_lock:
+            if t.is_alive():
+                abandoned.set()
+                raise SwapTimeout(f"the committed model did not load within {timeout:g} s")
+        if "error" in box:
+            raise box["error"]
+        if box["done"].wait(max(0.0, deadline - time.monotonic())):
+            return
+        with self._swap_lock:
+            pending = self._pending_swap
+            if pending is not None and pending[1] is box["done"]:  # the loop never took it
+                self._pending_swap = None
+                pending[0].close()
+                raise SwapTimeout(f"the serving loop did not take the new model within {timeout:g} s")
 
     def _apply_swap(self) -> None:
-        pending, self._pending_swap = self._pending_swap, None
+        with self._swap_lock:
+            pending, self._pending_swap = self._pending_swap, None
         if pending is None:
             return
         new, done = pending
@@ -378,6 +450,8 @@ class Service:
         snap["camera"] = self.source.stats() if self.source is not None else None
         snap["mqtt"] = self.link.stats()
         snap["state"] = self.state
+        if self.updater is not None and self.updater.recovered():
+            snap["recovered"] = self.updater.recovered()
         self.link.publish_telemetry(snap)
 
     def _publish_result(self, result) -> None:
@@ -410,7 +484,7 @@ class Service:
         self.link.updater = self.updater
         try:
             try:
-                self.model = Model(cfg)  # verified before anything from it is used
+                self.model = Model(cfg, self._trust)  # verified before anything from it is used
             except Exception as err:
                 self._fail_early(err)
                 raise
@@ -419,7 +493,9 @@ class Service:
             self.updater.start()
             self.notifier.status(f"loading {self.model.info['name']}")
             try:
+                t0 = time.perf_counter()
                 self.model.build(cfg)
+                self.updater.deadlines.measured(time.perf_counter() - t0)  # sizes the gate's deadline
                 self.telemetry = Telemetry(root=cfg["sysfs_root"], window=cfg["telemetry_window"])
                 from .camera import Reconnecting
 

@@ -14,8 +14,8 @@ The first failing check gives ``reason`` as one line, e.g. ``golden self-test fa
 :func:`health_check` runs in this process. A native library can crash or hang the process that
 loads a bad model, so the gate uses :func:`health_check_isolated`, which runs
 ``python -m tandoor_agent.update.health BUNDLE --json`` in a child process with a timeout (a crash or a
-timeout is a failed check with the signal or the time in the reason). :func:`gate` runs the check
-on the trial slot of a :class:`~tandoor_agent.update.slots.SlotStore` and commits or rolls it back.
+timeout is a failed check with the signal or the time in the reason; the update job sizes the
+timeout from measured load times, update/deadlines.py). :func:`gate` runs the check on the trial slot of a :class:`~tandoor_agent.update.slots.SlotStore` and commits or rolls it back.
 
 CLI exit codes: 0 healthy, 4 unhealthy (the report says why), 2 usage.
 """
@@ -72,6 +72,7 @@ class HealthReport:
     executors: list[dict[str, Any]] = field(default_factory=list)
     model: dict[str, Any] | None = None
     seconds: float = 0.0
+    load_s: float | None = None           # opening the bundle and building the model (the swap's deadline is sized from it)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +162,7 @@ def health_check(bundle_path: str | os.PathLike, trusted_keys: Iterable[hmod.Key
             module = make_module(bundle, delegate=delegate)
         except Exception as e:
             return done(f"cannot load the model: {_one_line(e)}")
+        rep.load_s = round(time.perf_counter() - t_start, 3)
         describe = getattr(module, "describe", None)
 
         # -- golden self-test

@@ -51,7 +51,6 @@ offer itself.
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import hashlib
 import http.client
 import json
@@ -74,8 +73,9 @@ from tandoor_contract import durable, hmod, protocol
 from tandoor_contract.errors import TandoorError
 
 from . import health
+from .deadlines import Deadlines
 from .keys import Keyring, KeyOpError
-from .slots import Busy, InstallRefused, refusal_from
+from .slots import Busy, InstallRefused, io_kind, refusal_from
 
 log = logging.getLogger("tandoor.updater")
 
@@ -97,6 +97,10 @@ CRASH_ENV = "TANDOOR_UPDATE_CRASH_AT"  # tests: SIGKILL the agent right after ac
 class JobError(TandoorError):
     def __init__(self, kind: str, msg: str) -> None:
         super().__init__(msg, kind=kind)
+
+
+class SwapTimeout(TandoorError):
+    """The hot swap did not finish within its deadline (raised by the ``swap`` callable)."""
 
 
 def parse_deadline(v: Any) -> float | None:
@@ -239,18 +243,20 @@ class Updater:
     chunk topic, :meth:`on_message` receives (call it from the MQTT thread; it only queues),
     :meth:`on_connected` after every (re)connect (subscribing :attr:`subscriptions` first).
 
-    ``gate(store, trusted_keys, latency_budget_ms=, frames=, delegate=)`` decides commit or
-    rollback (default: health.gate, the check in a child process). ``swap()``, called after a
-    commit, loads the newly committed slot into the serving loop and returns when it serves
-    (raise to refuse: the commit is then rolled back). ``trusted_keys`` is kept current by the
-    keyring (keys.py: signed add-key / retire-key commands), in place."""
+    ``gate(store, trusted_keys, latency_budget_ms=, frames=, delegate=, timeout_s=)`` decides
+    commit or rollback (default: health.gate, the check in a child process). ``swap(timeout_s)``,
+    called after a commit, loads the newly committed slot into the serving loop and returns when
+    it serves (raise to refuse, SwapTimeout past its deadline: the commit is then rolled back).
+    ``deadlines`` says how long each may take (deadlines.py; 0 = sized from measured load times).
+    ``trusted_keys`` is kept current by the keyring (keys.py: signed add-key / retire-key
+    commands), in place."""
 
     def __init__(self, store, base: str, publish: Callable[..., Any],
                  trusted_keys: list[Any] | None = None, delegate: str = "auto",
-                 gate: Callable[..., Any] | None = None, swap: Callable[[], Any] | None = None,
+                 gate: Callable[..., Any] | None = None, swap: Callable[[float], Any] | None = None,
                  device_id: str | None = None, need_interval_s: float = 2.0,
                  max_chunk_retries: int = 3, stall_timeout_s: float = 600.0,
-                 health_timeout_s: float = 300.0, subscribe: Callable[[str], Any] | None = None,
+                 deadlines: Deadlines | None = None, subscribe: Callable[[str], Any] | None = None,
                  unsubscribe: Callable[[str], Any] | None = None, served: Callable[[], int] | None = None,
                  boot_attempts: int = BOOT_ATTEMPTS, confirm_frames: int = CONFIRM_FRAMES) -> None:
         self.store = store
@@ -263,12 +269,13 @@ class Updater:
         self.dir = Path(store.dir) / "updates" if store is not None else None
         if not isinstance(trusted_keys, list):  # the keyring updates the caller's list in place
             trusted_keys = list(trusted_keys or ())
-        self.keys = Keyring(trusted_keys,
-                            Path(store.dir) / "keys" if store is not None else None)
+        self.keys = Keyring(trusted_keys, Path(store.dir) / "keys" if store is not None else None,
+                            installed=self._installed)
         self.trusted_keys = self.keys.trusted   # the live list (paths and keys)
         self.delegate = delegate
-        self.gate = gate or functools.partial(health.gate, timeout_s=health_timeout_s)
+        self.gate = gate or health.gate
         self.swap = swap
+        self.deadlines = deadlines or Deadlines()
         self.need_interval_s = need_interval_s
         self.max_chunk_retries = max_chunk_retries
         self.stall_timeout_s = stall_timeout_s
@@ -278,7 +285,11 @@ class Updater:
         self.served = served              # frames served so far (the crash-loop counter needs it)
         self.boot_attempts, self.confirm_frames = boot_attempts, confirm_frames
         self._boot_base: int | None = None  # frames served when the unconfirmed commit started serving
+        self._boot_of: tuple[str | None, str | None] = (None, None)  # (slot, job) of that commit
         self.notice: dict | None = None     # for the next birth message: a crash loop rolled back
+        self._unconfirmed: str | None = None  # a committed job whose final waits for its first serving
+        self._confirm_retry = 0.0
+        self._connected_at: float | None = None  # when the current MQTT session began (monotonic)
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.RLock()
         self._active: _Job | None = None
@@ -325,6 +336,8 @@ class Updater:
         self._load_finals()
         self.keys.load()
         self.store.trusted_keys = self.trusted_keys
+        self.store.retired_keys = self.keys.retired_keys()
+        self.store.evidence = self.journal
         before = self.store.load().get("trial")
         notes = self.store.recover_on_start()
         for n in notes:
@@ -351,23 +364,51 @@ class Updater:
 
     def _count_boot(self, notes: list[str]) -> None:
         """A committed model that has not served yet counts this start; past the limit it is
-        rolled back and reported (the final ack once connected, and the birth message)."""
+        rolled back and reported (the final ack once connected, and the birth message). A job
+        committed but not yet answered (the agent died in its hot swap) is answered when its
+        model has served (``committed``) or the starts run out (``rolled_back [crash_loop]``);
+        until then a repeated offer of it is answered ``confirming``."""
         r = self.store.begin_boot(self.boot_attempts)
         if r is not None:
             self._final(r["job_id"], "rolled_back", r["reason"], kind="crash_loop", publish_now=False,
-                        slot=r["slot"], attempts=r["attempts"])
+                        slot=r["slot"], attempts=r["attempts"], sha256=r.get("sha256"))
             self.notice = {"rolled_back": r["job_id"], "kind": "crash_loop", "reason": r["reason"],
                            "slot": r["slot"], "serving": r["to"], "attempts": r["attempts"]}
             notes.append(r["reason"])
-        if self.store.boot_pending():
-            self._boot_base = 0
+        boot = self.store.boot()
+        if boot is not None:
+            self._boot_base, self._boot_of = 0, (boot.get("slot"), boot.get("job_id"))
+            job = boot.get("job_id")
+            # started before (its hot swap counted one): the agent died with the job unanswered
+            if job is not None and job not in self._finals and int(boot.get("attempts") or 0) >= 2:
+                self._unconfirmed = job
+                self._pending_acks.append(self._confirming_ack(job, boot))
+
+    def _confirming_ack(self, job: str, boot: dict) -> dict:
+        return {"job_id": job, "device_id": self.device_id, "state": "confirming", "slot": boot.get("slot"),
+                "attempts": boot.get("attempts"), "max_attempts": self.boot_attempts,
+                "reason": f"committed; the agent restarted and starts it again (start {boot.get('attempts')} of "
+                          f"{self.boot_attempts} it may die in) until it has served {self.confirm_frames} frames",
+                "ts": round(time.time(), 3)}
 
     def _confirm_boot(self) -> None:
         if self._boot_base is not None and self.served is not None and \
-                self.served() - self._boot_base >= self.confirm_frames:
+                self.served() - self._boot_base >= self.confirm_frames and time.monotonic() >= self._confirm_retry:
+            try:
+                self.store.confirm_boot(*self._boot_of)
+            except OSError as e:  # a full disk: it stays counted; tried again later
+                self._confirm_retry = time.monotonic() + 30.0
+                log.warning("cannot record that the committed model served (%s); trying again in 30 s",
+                            e.strerror or e)
+                return
             self._boot_base = None
-            self.store.confirm_boot()
             log.info("the committed model served %d frames: confirmed", self.confirm_frames)
+            job, self._unconfirmed = self._unconfirmed, None
+            rec = self.store.job(job) if job is not None else None
+            if rec is not None and rec.get("outcome") == "committed" and job not in self._finals:
+                self._final(job, "committed", f"committed; after the agent restarted the model served "
+                                              f"{self.confirm_frames} frames", slot=rec.get("slot"),
+                            sha256=rec.get("sha256"))
 
     def _resumable(self, p: Path) -> _Job | None:
         """The persisted offer at ``p`` as a job to resume, or None (and the files removed)."""
@@ -377,7 +418,9 @@ class Updater:
             p.unlink(missing_ok=True)
             return None
         jid = offer["job_id"]
-        if jid in self._finals or self._active is not None:
+        # a job the slots already know went past its download (installed, then committed or
+        # rolled back): never downloaded again; its answer comes from the record
+        if jid in self._finals or self._active is not None or self.store.job(jid) is not None:
             p.unlink(missing_ok=True)
             self.store.staging_path(jid).unlink(missing_ok=True)
             return None
@@ -402,6 +445,16 @@ class Updater:
         self._stop = True
         self._q.put(("stop",))
         health.stop_running()
+
+    def recovered(self) -> list[dict[str, Any]]:
+        """What this start had to repair (a damaged or lost state.json, a damaged keyring): for
+        the status message and telemetry, so the fleet learns that a device lost its state."""
+        out = []
+        if self.store is not None and self.store.recovery:
+            out.append(self.store.recovery)
+        if self.keys.recovered:
+            out.append(self.keys.recovered)
+        return out
 
     @property
     def busy(self) -> str | None:
@@ -464,6 +517,8 @@ class Updater:
             "job_id": job.id, "device_id": self.device_id, "missing": miss[:MAX_NEED_LIST],
             "n_missing": job.n - len(job.received), "count": len(job.received), "n_chunks": job.n,
             **({"bad": bad} if bad else {}), **({"reconnected": True} if reconnected else {}),
+            # how long this MQTT session has been subscribed: anything sent before is lost to it
+            **({"session_s": round(time.monotonic() - self._connected_at, 3)} if self._connected_at else {}),
             "ts": round(time.time(), 3)})
 
     # ----------------------------------------------------------------------- final acks
@@ -495,6 +550,8 @@ class Updater:
         is transient."""
         if not protocol.is_final(state):
             raise ValueError(f"{state!r} is not a final job state")
+        if not protocol.kind_fits(kind, state):  # a kind exists in the contract, for its states, or nowhere
+            raise ValueError(f"kind {kind!r} is not one of tandoor_contract.protocol.KINDS for {state!r}")
         body = {"job_id": job_id, "device_id": self.device_id, "state": state, "reason": reason,
                 "kind": kind, "ts": round(time.time(), 3), **fields}
         body = {k: v for k, v in body.items() if v is not None}
@@ -507,14 +564,32 @@ class Updater:
         else:
             self._pending_acks.append(body)
 
+    def journal(self) -> list[dict[str, Any]]:
+        """The acks journal's word on bundles, for the slot store's recovery: every recorded
+        final that names a sha256 and committed or rolled back it ({"sha256", "outcome",
+        "job_id", "at"}). The finals are the answers the fleet saw, so a recovery that follows
+        them never contradicts an ack."""
+        if not self._finals and self.dir is not None:
+            self._load_finals()
+        return [{"sha256": f["sha256"], "outcome": f["state"], "job_id": j, "at": f.get("ts") or 0}
+                for j, f in self._finals.items()
+                if isinstance(f, dict) and f.get("state") in ("committed", "rolled_back") and f.get("sha256")]
+
     def _recorded_final(self, jid: str) -> dict | None:
         done = self._finals.get(jid)
+        if done is None and jid == self._unconfirmed:
+            return None  # committed in the slots, but not yet known to serve: not final yet
         if done is None and self.store is not None:
             rec = self.store.job(jid)
             if rec and protocol.is_final(rec.get("outcome") or ""):
                 done = {"job_id": jid, "device_id": self.device_id, "state": rec["outcome"],
                         "reason": rec.get("reason"), "kind": rec.get("kind"), "sha256": rec.get("sha256")}
         return done
+
+    def _repeat_confirming(self, jid: str) -> None:
+        boot = self.store.boot() or {}
+        body = self._confirming_ack(jid, boot)
+        self._ack(jid, "confirming", **{k: v for k, v in body.items() if k not in ("job_id", "device_id", "state", "ts")})
 
     def _repeat_final(self, done: dict) -> None:
         log.info("job %s again: answering with its final ack (%s)", done["job_id"], done["state"])
@@ -555,6 +630,12 @@ class Updater:
                 handlers[ev[0]](*ev[1:])
                 self._confirm_boot()
                 self._tick()
+            except OSError as e:  # an expected fault (a full disk, an I/O error): one line, the job ends
+                log.warning("update worker: %s", e.strerror or e)
+                a = self._active
+                if a is not None and not a.finishing:
+                    self._final(a.id, "failed", f"{e.strerror or e}; the running model is untouched", kind=io_kind(e))
+                    self._end_job(a)
             except Exception as e:  # never let one message take the updater down
                 log.exception("update worker: %s", e)
                 a = self._active
@@ -563,6 +644,7 @@ class Updater:
                     self._end_job(a)
 
     def _on_reconnect(self) -> None:
+        self._connected_at = time.monotonic()
         pending, self._pending_acks = self._pending_acks, []
         for body in pending:
             self._ack(body["job_id"], body["state"], **{k: v for k, v in body.items()
@@ -609,6 +691,9 @@ class Updater:
             self._final(_job_id_of(payload), "failed", str(e), kind=e.kind)
             return
         jid = offer["job_id"]
+        if jid == self._unconfirmed:
+            self._repeat_confirming(jid)
+            return
         done = self._recorded_final(jid)
         if done is not None:
             self._repeat_final(done)
@@ -668,7 +753,7 @@ class Updater:
         except OSError as e:
             self._end_job(job)
             msg = e.strerror if isinstance(e.strerror, str) else str(e)
-            kind = "no_space" if e.errno == durable.NO_SPACE else "io_error"
+            kind = io_kind(e)
             if kind == "no_space" and "running model" not in msg:
                 msg = f"staging: {msg}; the running model is untouched"
             self._final(jid, "failed", msg, kind=kind)
@@ -714,6 +799,10 @@ class Updater:
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
             log.warning("ignoring a malformed cancel (%s)", type(e).__name__ if isinstance(e, RecursionError) else e)
             return
+        if jid == self._unconfirmed:
+            self._ack(jid, "confirming", note=f"cancel refused: job {jid} is committed; it ends by itself "
+                                              f"(committed once it serves, or rolled back)")
+            return
         done = self._recorded_final(jid)
         if done is not None:
             self._repeat_final(done)
@@ -731,18 +820,31 @@ class Updater:
 
     # ------------------------------------------------------------------------------ keys
     def _on_keys(self, payload: bytes) -> None:
+        ack = {"device_id": self.device_id, "ts": round(time.time(), 3)}
         try:
             op = self.keys.apply(payload)
         except KeyOpError as e:
-            self._send(self.topic[protocol.UPDATE_ACK], {"key_op": e.op_id, "device_id": self.device_id,
-                                                         "ok": False, "kind": e.kind, "reason": str(e),
-                                                         "ts": round(time.time(), 3)})
+            self._send(self.topic[protocol.UPDATE_ACK], {"key_op": e.op_id, **ack, "ok": False, "kind": e.kind,
+                                                         "reason": str(e), **e.extra})
+            return
+        except OSError as e:  # the keyring could not be written: nothing applied (retirements are kept first)
+            self.keys.load()
+            self._send(self.topic[protocol.UPDATE_ACK], {"key_op": None, **ack, "ok": False, "kind": io_kind(e),
+                                                         "reason": f"cannot write the keyring: {e.strerror or e}"})
             return
         self.store.trusted_keys = self.trusted_keys
-        self._send(self.topic[protocol.UPDATE_ACK], {"key_op": op["id"], "device_id": self.device_id, "ok": True,
-                                                     "op": op["op"], "fingerprint": op["fingerprint"],
-                                                     "trusted": self.keys.fingerprints(),
-                                                     "ts": round(time.time(), 3)}, retain=False)
+        self.store.retired_keys = self.keys.retired_keys()
+        self._send(self.topic[protocol.UPDATE_ACK], {"key_op": op["id"], **ack, "ok": True, "op": op["op"],
+                                                     "fingerprint": op["fingerprint"], "trusted": self.keys.fingerprints(),
+                                                     **({"affects": op["affects"]} if "affects" in op else {})},
+                   retain=False)
+
+    def _installed(self) -> list[dict[str, Any]]:
+        """The slots and the key that verified each (retire-key's answer says which it affects)."""
+        if self.store is None:
+            return []
+        st = self.store.status()
+        return [{"slot": s, "primary": st["primary"] == s, **v} for s, v in st["slots"].items()]
 
     # ---------------------------------------------------------------------------- chunks
     def _on_chunk(self, rest: str, data: bytes) -> None:
@@ -785,8 +887,7 @@ class Updater:
         try:
             os.pwrite(a.fd, data, i * a.chunk_size)
         except OSError as e:
-            kind = "no_space" if e.errno == durable.NO_SPACE else "io_error"
-            self._final(a.id, "failed", f"staging: {e.strerror or e}; the running model is untouched", kind=kind)
+            self._final(a.id, "failed", f"staging: {e.strerror or e}; the running model is untouched", kind=io_kind(e))
             self._end_job(a)
             return
         a.received.add(i)
@@ -865,19 +966,31 @@ class Updater:
     def _finish(self, job: _Job) -> None:
         try:
             self._finish_inner(job)
+        except OSError as e:  # an expected fault (a full disk, an I/O error): named, no traceback
+            self._end_in_error(job, io_kind(e), f"{e.strerror or e} in {e.filename or self.store.dir}")
         except Exception as e:
             log.exception("job %s failed", job.id)
-            try:
-                t = self.store.trial()
-                if t is not None and t.get("job_id") == job.id:
-                    self.store.rollback(f"internal error: {e}")
-                    self._final(job.id, "rolled_back", f"internal error: {e}", kind="internal")
-                else:
-                    self._final(job.id, "failed", f"internal error: {e}", kind="internal")
-            except Exception:
-                log.exception("job %s: cannot report", job.id)
+            self._end_in_error(job, "internal", f"internal error: {' '.join(str(e).split()) or type(e).__name__}")
         finally:
             self._end_job(job)
+
+    def _end_in_error(self, job: _Job, kind: str, why: str) -> None:
+        """A job that broke off: its trial (if it got that far) is rolled back, the running model
+        stays, the final ack names the kind; the device takes the next job at once."""
+        try:
+            t = self.store.trial()
+            if t is not None and t.get("job_id") == job.id:
+                self.store.rollback(f"{why}; rolled back")
+                self._final(job.id, "rolled_back", f"{why}; the trial was rolled back, the running model is untouched",
+                            kind=kind, slot=t["slot"], sha256=job.offer["sha256"])
+            else:
+                self._final(job.id, "failed", f"{why}; the running model is untouched", kind=kind)
+            log.warning("job %s ended (%s): %s", job.id, kind, why)
+        except Exception as e:  # not even the rollback could be written: the next start rolls the trial back
+            log.error("job %s: %s, and the trial could not be rolled back (%s); it is rolled back at the next "
+                      "start", job.id, why, " ".join(str(e).split()))
+            self._final(job.id, "failed", f"{why}; the trial could not be rolled back ({e}): it is at the "
+                                          f"agent's next start", kind=kind)
 
     def _finish_inner(self, job: _Job) -> None:
         """received -> verified -> staged -> trial -> committed | rolled_back; each step either
@@ -891,20 +1004,23 @@ class Updater:
         report = self._gate(job)
         if report is None:
             return
+        self.deadlines.measured(getattr(report, "load_s", None))
         hrep = {k: getattr(report, k, None) for k in ("p95_ms", "median_ms", "golden_max_abs_err", "frames",
-                                                          "errors", "seconds")}
+                                                          "errors", "seconds", "load_s")}
+        sha = job.offer["sha256"]
         if not report.ok:
             self._final(job.id, "rolled_back", f"health gate failed: {report.reason}", kind="unhealthy",
-                        slot=slot, model=model, health=hrep)
+                        slot=slot, model=model, health=hrep, sha256=sha)
             return
-        swap_error = self._swap_in()
+        swap_error = self._swap_in(report)
         if swap_error is not None:
-            self._final(job.id, "rolled_back", swap_error, kind="swap_failed", slot=slot, model=model, health=hrep)
+            kind, reason = swap_error
+            self._final(job.id, "rolled_back", reason, kind=kind, slot=slot, model=model, health=hrep, sha256=sha)
             return
         if self.served is not None:
-            self._boot_base = self.served()  # it serves from here; its frames confirm it
+            self._boot_base, self._boot_of = self.served(), (slot, job.id)  # it serves from here; its frames confirm it
         self._final(job.id, "committed", f"health gate passed ({report.summary()})", slot=slot, model=model,
-                    sha256=job.offer["sha256"], health=hrep, p95_ms=hrep.get("p95_ms"))
+                    sha256=sha, health=hrep, p95_ms=hrep.get("p95_ms"))
 
     def _verify(self, job: _Job) -> dict | None:
         """Whole-file sha256, signature (a retired key's said so), format, arch, and not older
@@ -916,6 +1032,9 @@ class Updater:
                         kind="sha256_mismatch")
             return None
         try:
+            nothing_trusted = self.keys.refusal()
+            if nothing_trusted:  # fail closed: an empty list must not mean "signatures not checked"
+                raise hmod.BadSignature(f"bundle refused: {nothing_trusted}")
             with hmod.open_bundle(job.path, self.trusted_keys) as b:
                 b.lib_for()
                 manifest = b.manifest
@@ -961,26 +1080,38 @@ class Updater:
         try:
             if self._stop:
                 raise health.CheckStopped("the agent is stopping")
+            timeout, why = self.deadlines.health()
+            log.info("job %s: health gate, at most %g s (%s)", job.id, timeout, why)
             return self.gate(self.store, self.trusted_keys, latency_budget_ms=job.offer.get("latency_budget_ms"),
-                             frames=job.offer["health_frames"], delegate=self.delegate)
+                             frames=job.offer["health_frames"], delegate=self.delegate, timeout_s=timeout)
         except health.CheckStopped:
             log.warning("job %s: the health check was ended by the stop; the trial is rolled back at the next start",
                         job.id)
             return None
 
-    def _swap_in(self) -> str | None:
-        """Serve the committed slot; on failure roll the commit back and return why."""
+    def _swap_in(self, report: Any = None) -> tuple[str, str] | None:
+        """Serve the committed slot within the swap's deadline; on failure roll the commit back
+        and return (kind, why). The swap is the commit's first start: counted like one (a model
+        that kills the agent here is rolled back by the crash-loop counter)."""
         if self.swap is None:
             return None
+        timeout, why = self.deadlines.swap(report)
+        self._boot_base = None  # frames of the model serving now confirm nothing from here
         try:
-            self.swap()
+            self.store.begin_boot(self.boot_attempts)
+        except OSError as e:  # the commit stands: serve it; only its crash-loop count is lost
+            log.warning("cannot count the committed model's first start (%s); swapping it in", e.strerror or e)
+        try:
+            self.swap(timeout)
         except Exception as e:
-            reason = f"the committed model failed to load in the agent: {' '.join(str(e).split())}"
-            try:
-                self.store.rollback(reason)
-            except Exception:
-                log.exception("rollback after a failed swap")
-            return reason
+            if isinstance(e, SwapTimeout):
+                kind, reason = "swap_timeout", (f"the committed model did not load in the agent within {timeout:g} s "
+                                                f"({why}); the previous model serves on")
+            else:
+                kind, reason = "swap_failed", f"the committed model failed to load in the agent: {' '.join(str(e).split())}"
+            log.warning("%s", reason)
+            self.store.rollback(reason)
+            return kind, reason
         return None
 
     # ---------------------------------------------------------------------- rollback cmd
@@ -992,10 +1123,15 @@ class Updater:
         if a is not None:
             raise JobError("busy", f"busy: {a.describe()}")
         before = self.store.load()
+        cur = before["primary"]
         self.store.rollback(reason)
         after = self.store.load()
+        job = before["slots"][cur]["job_id"] if cur else None
+        if job is not None and (self._finals.get(job) or {}).get("state") == "committed":
+            # the job's answer follows the slots: offered again, it is rolled_back, not committed
+            self._final(job, "rolled_back", reason, kind="rollback", slot=cur, sha256=before["slots"][cur]["sha256"])
         if self.swap is not None:
-            self.swap()
+            self.swap(self.deadlines.swap()[0])
         p = after["primary"]
         return {"from": before["primary"], "slot": p, "model": after["slots"][p]["model"] if p else None,
                 "sha256": after["slots"][p]["sha256"] if p else None}

@@ -8,6 +8,8 @@ Layout under ``slot_dir``::
     b/model.hmod        slot b's bundle
     staging/            partial downloads (the update job writes chunks here; see staging_path())
     .lock               flock()ed while the state changes (one writer at a time, across processes)
+    .reserve            space kept so that a rollback can be written on a full disk (UNDO_WRITES)
+    state.json.prev     the state the last write replaced (record.py: checksummed, kept copy)
 
 ``state.json``::
 
@@ -17,7 +19,8 @@ Layout under ``slot_dir``::
                      "state": "empty" | "installing" | "trial" | "good" | "bad",
                      "installed_at": ..., "job_id": ..., "reason": ...},
                "b": {...}},
-     "trial": null | {"slot": "b", "job_id": ..., "started_at": ..., "previous": "a" | null},
+     # each slot also records "verified_by" and "signer_key": the key that verified it at install
+    "trial": null | {"slot": "b", "job_id": ..., "started_at": ..., "previous": "a" | null},
      "jobs": {job_id: {"outcome": "trial" | "committed" | "rolled_back" | "failed",
                        "slot": ..., "reason": ..., "sha256": ..., "at": ...}},   # last 32 jobs
      "history": [{"at", "slot", "from", "to", "reason", "job_id"}, ...],        # last 20
@@ -38,7 +41,10 @@ Every change is one atomic replacement of state.json (write temp, fsync, os.repl
 and a bundle only becomes part of the state after its own bytes and rename are durable, so
 after a crash at any point the state names either the old or the new situation, never a mix;
 :meth:`SlotStore.recover_on_start` then rolls back a trial that was never committed and
-forgets an install that never finished. See docs/updates.md for the argument in full.
+forgets an install that never finished. A damaged state.json (or anything unreadable in its
+place) is moved aside and recovered from its previous copy or the verified bundles, made to
+agree with the acks journal (``evidence``), and described in ``recovery`` for the status
+message. See docs/updates.md for the argument in full.
 
 Errors are :class:`SlotError` subclasses with a one-line message, an ``exit_code`` and a
 machine-readable ``kind`` (for the update job's failed ack).
@@ -65,6 +71,8 @@ from tandoor_contract import hmod
 from tandoor_contract.errors import TandoorError
 from tandoor_contract import durable
 
+from . import record
+
 log = logging.getLogger("tandoor.slots")
 
 __all__ = [
@@ -81,6 +89,10 @@ PREV_NAME = "state.json.prev"  # the state before the last write (recovery from 
 HISTORY_MAX = 20
 JOBS_MAX = 32
 DEFAULT_RESERVE = 256 * 1024  # bytes kept free after an install (state.json, logs, temp files)
+RESERVE_NAME = ".reserve"     # a file the agent keeps so that a rollback can be written on a full disk
+RESERVE_BYTES = 64 * 1024     # a state.json of JOBS_MAX jobs and HISTORY_MAX transitions is ~20 KiB
+#: writes that undo something: they may spend the reserve when the disk is full
+UNDO_WRITES = frozenset({"rollback", "install_failed", "recover", "restore", "rebuild", "boot", "boot_rollback"})
 _CHUNK = 1 << 20
 
 # (from, to) -> the operations allowed to make that change. The one table of legal moves.
@@ -159,6 +171,15 @@ _BUNDLE_KINDS = {
 }
 
 
+def io_kind(err: OSError) -> str:
+    """The kind of an expected I/O failure: a full disk, or any other error of the device."""
+    return "no_space" if err.errno == durable.NO_SPACE else "io_error"
+
+
+def _io_refusal(err: OSError, what: str) -> InstallRefused:
+    return InstallRefused(f"{what}: {err.strerror or err}; the running model is untouched", kind=io_kind(err))
+
+
 def refusal_from(err: hmod.BundleError) -> InstallRefused:
     kind = next((k for cls, k in _BUNDLE_KINDS.items() if isinstance(err, cls)), "bundle_error")
     return InstallRefused(f"bundle refused: {err}", kind=kind, exit_code=err.exit_code)
@@ -167,7 +188,7 @@ def refusal_from(err: hmod.BundleError) -> InstallRefused:
 # ---------------------------------------------------------------------------------- helpers
 def _empty_slot(name: str) -> dict[str, Any]:
     return {"bundle": f"{name}/{BUNDLE_NAME}", "sha256": None, "model": None, "state": "empty",
-            "installed_at": None, "job_id": None, "reason": None}
+            "installed_at": None, "job_id": None, "reason": None, "verified_by": None, "signer_key": None}
 
 
 def _empty_state() -> dict[str, Any]:
@@ -175,17 +196,11 @@ def _empty_state() -> dict[str, Any]:
             "trial": None, "jobs": {}, "history": []}
 
 
-def _checksum(st: dict[str, Any]) -> str:
-    """sha256 of the state without its checksum: a bit flipped anywhere in the file shows."""
-    body = {k: v for k, v in st.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 def _check_state(st: Any) -> None:
     """Schema, checksum and invariants; raises ValueError naming the first problem."""
     if not isinstance(st, dict):
         raise ValueError("not a JSON object")
-    if "checksum" in st and st["checksum"] != _checksum(st):
+    if record.CHECKSUM in st and st[record.CHECKSUM] != record.checksum(st):
         raise ValueError("its checksum does not match its content (a damaged file)")
     if st.get("version") != STATE_VERSION:
         raise ValueError(f"version {st.get('version')!r}, expected {STATE_VERSION}")
@@ -237,6 +252,13 @@ class SlotStore:
         self.trusted_keys = list(trusted_keys)
         self.reserve_bytes = reserve_bytes
         self.notes: list[str] = []  # what load()/recover_on_start() had to repair, for the log
+        self.recovery: dict[str, Any] | None = None  # the last recovery of a damaged or lost state.json
+        #: the acks journal's events ({"sha256", "outcome", "job_id", "at"}): the evidence a recovery
+        #: uses to find the committed bundle (set by the update job layer, which keeps the journal)
+        self.evidence: Callable[[], Iterable[dict[str, Any]]] | None = None
+        self.retired_keys: list[hmod.KeySource] = []  # keys once trusted (a journal-proven bundle's signer)
+        self._history_mark = 0
+        self._reserve_wanted = False  # the agent's store keeps one (recover_on_start); a bare store does not
         self._tlock = threading.RLock()
         self._depth = 0
         self._state: dict[str, Any] | None = None
@@ -299,16 +321,19 @@ class SlotStore:
 
     # --------------------------------------------------------------------- reading state
     def load(self) -> dict[str, Any]:
-        """Read state.json (creating the layout and an empty state if there is none). A corrupt
-        state.json is kept as state.json.corrupt-<time> and the state rebuilt from the bundles on
-        disk; what was done is logged and listed in ``self.notes``. Returns a copy of the state.
+        """Read state.json (creating the layout and an empty state if there is none). A damaged
+        state.json (or anything unreadable in its place) is moved aside as
+        state.json.corrupt-<time> and the state recovered (``_recover_corrupt``); what was done
+        is logged, listed in ``self.notes`` and described in ``self.recovery``. Returns a copy.
 
         Reading takes no lock (state.json is only ever replaced whole), so the serving loop never
         waits for an install in progress; only creating or repairing the state does."""
         try:
-            st = json.loads(self.state_path.read_bytes().decode("utf-8"))
+            st = record.read(self.state_path)
+            if st is None:
+                raise FileNotFoundError(self.state_path)
             _check_state(st)
-        except (OSError, UnicodeDecodeError, ValueError):
+        except (FileNotFoundError, ValueError):
             with self._locked():
                 st = self._read()
         self._state = st
@@ -318,15 +343,13 @@ class SlotStore:
         for d in (self.dir / "a", self.dir / "b", self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
         try:
-            raw = self.state_path.read_bytes()
-        except FileNotFoundError:
-            st = self._initial_state()
-        else:
-            try:
-                st = json.loads(raw.decode("utf-8"))
+            st = record.read(self.state_path)
+            if st is not None:
                 _check_state(st)
-            except (UnicodeDecodeError, ValueError) as e:
-                st = self._recover_corrupt(raw, e)
+        except ValueError as e:  # record.Damaged (unreadable, not JSON, checksum) or a broken invariant
+            st = self._recover_corrupt(str(e))
+        if st is None:
+            st = self._initial_state()
         self._state = st
         return st
 
@@ -334,41 +357,64 @@ class SlotStore:
         st = _empty_state()
         if any(self.bundle_path(s).exists() for s in SLOTS):
             self._note("state.json is missing but slot bundles exist: rebuilt the state from disk")
-            st = self._rebuild_from_disk("state.json was missing")
+            st, how = self._rebuild_from_disk("state.json was missing")
+            self._recovered("it was missing", None, st, how)
         elif (self.dir / "current.hmod").is_file():
             st = self._adopt_current(st)
         self._write(st, "init")
         return st
 
-    def _recover_corrupt(self, raw: bytes, err: Exception) -> dict[str, Any]:
-        """A damaged state.json (truncated, bit-flipped, breaking an invariant): kept aside, then
-        the previous state if it is sound and its primary's bundle is the one recorded (a state
-        one step older is consistent too: every step is safe to lose), else rebuilt from the
-        bundles that verify. With nothing to serve either way: StateCorrupt, saying how to repair."""
-        keep = self.dir / f"{STATE_NAME}.corrupt-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S%f')}"
-        keep.write_bytes(raw)
+    def _recover_corrupt(self, err: str) -> dict[str, Any]:
+        """A damaged state.json (truncated, bit-flipped, breaking an invariant, or a directory or
+        an unreadable file in its place): moved aside, then the previous state if it is sound and
+        its primary's bundle is the one recorded (a state one step older is consistent too: every
+        step is safe to lose), else rebuilt from the bundles that verify; either way made to agree
+        with the acks journal's last word (``evidence``), so a committed update is not lost. With
+        nothing to serve: StateCorrupt, saying how to repair."""
+        keep = record.move_aside(self.state_path)
+        if keep is None and self.state_path.exists() and not self.state_path.is_file():
+            raise StateCorrupt(f"{self.state_path} is unusable ({err}) and cannot be moved aside; remove it "
+                               f"and start again (the state is then rebuilt from the slot bundles)")
+        where = f"kept it as {keep.name}" if keep else "it could not be kept"
         st = self._previous_state()
         if st is not None:
-            self._note(f"state.json was corrupt ({err}); kept it as {keep.name} and went back to the previous "
-                       f"state ({PREV_NAME})")
+            self._note(f"state.json was corrupt ({err}); {where} and went back to the previous state ({PREV_NAME})")
+            how = f"the previous state ({PREV_NAME})"
+            fixed = self._reconcile(st)
+            if fixed:
+                self._note(fixed)
+                how += f"; {fixed}"
+            self._recovered(err, keep, st, how)
             self._write(st, "restore")
             return st
-        self._note(f"state.json was corrupt ({err}); kept it as {keep.name} and rebuilt the state "
-                   f"from the bundles on disk")
-        st = self._rebuild_from_disk(f"state.json was corrupt ({err})")
+        self._note(f"state.json was corrupt ({err}); {where} and rebuilt the state from the bundles on disk")
+        st, how = self._rebuild_from_disk(f"state.json was corrupt ({err})")
         if st["primary"] is None and any(self.bundle_path(s).exists() for s in SLOTS):
             raise StateCorrupt(f"{self.state_path} is corrupt ({err}), {PREV_NAME} is no help and no slot bundle "
                                f"verifies with the trusted keys: nothing safe to serve; to repair, copy a signed "
                                f"bundle to {self.dir / 'current.hmod'} and remove {self.state_path} (it is adopted "
                                f"at the next start), or set bundle = PATH in the agent's config")
+        self._recovered(err, keep, st, how)
         self._write(st, "rebuild")
         return st
 
+    def _recovered(self, reason: str, kept: Path | None, st: dict[str, Any], how: str) -> None:
+        """What this recovery did, for the status message and telemetry (``self.recovery``)."""
+        p = st["primary"]
+        chose = None if p is None else {"slot": p, "model": st["slots"][p]["model"], "sha256": st["slots"][p]["sha256"],
+                                         "how": how}
+        marked = [{"slot": h["slot"], "reason": h["reason"]} for h in st["history"][self._history_mark:]
+                  if h["to"] == "bad"]
+        self.recovery = {"damaged": STATE_NAME, "reason": reason, "kept_as": kept.name if kept else None,
+                         "chose": chose, "marked_bad": marked, "at": durable.now_iso()}
+
     def _previous_state(self) -> dict[str, Any] | None:
+        st = record.previous(self.state_path)
         try:
-            st = json.loads((self.dir / PREV_NAME).read_bytes().decode("utf-8"))
+            if st is None:
+                return None
             _check_state(st)
-        except (OSError, UnicodeDecodeError, ValueError):
+        except ValueError:
             return None
         p = st["primary"]
         if p is not None:
@@ -377,55 +423,160 @@ class SlotStore:
                     return None
             except OSError:
                 return None
+        self._history_mark = len(st["history"])
         return st
 
-    def _verify_file(self, p: Path, keys: Iterable[hmod.KeySource]) -> tuple[str, dict[str, Any]]:
-        """(sha256, manifest model) of a bundle that opens, verifies and has a lib for here."""
+    def _journal(self) -> list[dict[str, Any]]:
+        """The acks journal's events about bundles ({"sha256", "outcome", "job_id", "at"}), oldest
+        first; empty when there is none or it cannot be read."""
+        if self.evidence is None:
+            return []
+        try:
+            return sorted((e for e in self.evidence() if isinstance(e.get("sha256"), str)),
+                          key=lambda e: e.get("at") or 0)
+        except Exception as e:  # evidence is a hint: never a reason to fail the recovery
+            log.warning("cannot read the acks journal: %s", e)
+            return []
+
+    def _last_word(self, shas: dict[str, str]) -> dict[str, Any] | None:
+        """The journal's latest event about one of ``shas`` ({sha256: slot})."""
+        last = None
+        for ev in self._journal():
+            if ev["sha256"] in shas and ev.get("outcome") in ("committed", "rolled_back"):
+                last = ev
+        return last
+
+    def _reconcile(self, st: dict[str, Any]) -> str | None:
+        """Make a recovered state agree with the journal's last word on the bundles it holds: a
+        trial (or good slot) the journal says was committed becomes primary; a primary the
+        journal says was rolled back gives way to the other good slot. Returns what it changed."""
+        live = {st["slots"][s]["sha256"]: s for s in SLOTS if st["slots"][s]["state"] in ("trial", "good")}
+        ev = self._last_word(live)
+        if ev is None:
+            return None
+        s, job = live[ev["sha256"]], ev.get("job_id")
+        other = "b" if s == "a" else "a"
+        if ev["outcome"] == "committed" and st["primary"] != s:
+            if st["slots"][s]["state"] == "trial":
+                self._set(st, s, "good", "commit", f"recovered: the acks journal says job {job} committed it", job)
+                st["trial"] = None
+                st["boot"] = {"slot": s, "job_id": job, "attempts": 0}
+            st["primary"] = s
+            return f"slot {s} is primary: the acks journal says job {job} committed it"
+        if ev["outcome"] == "rolled_back" and st["primary"] == s and st["slots"][other]["state"] == "good":
+            self._set(st, s, "bad", "recover", f"recovered: the acks journal says job {job} was rolled back", job)
+            st["primary"], st["boot"] = other, None
+            return f"slot {s} is bad and slot {other} primary: the acks journal says job {job} was rolled back"
+        return None
+
+    def _verify_file(self, p: Path, keys: Iterable[hmod.KeySource]) -> dict[str, Any]:
+        """What the slot records of a bundle that opens, verifies and has a lib for here: its
+        sha256, model, and the key that verified it (fingerprint and PEM: trust is decided at
+        install, so the bundle keeps serving after that key is retired)."""
+        keys = list(keys)
         with hmod.open_bundle(p, keys) as b:
             b.lib_for()
             model = b.manifest.get("model") or {}
-        return durable.sha256_file(p), {"name": model.get("name"), "version": model.get("version")}
+            manifest = b.manifest
+            by = b.verified_by
+        pem = None
+        for k in keys:
+            obj = k if hasattr(k, "verify") else hmod.load_public_key(k)
+            if by is not None and hmod.key_fingerprint(obj) == by:
+                pem = hmod.public_key_pem(obj)
+                break
+        return {"sha256": durable.sha256_file(p), "model": {"name": model.get("name"), "version": model.get("version")},
+                "verified_by": by, "signer_key": pem, "_manifest": manifest}
 
-    def _rebuild_from_disk(self, why: str) -> dict[str, Any]:
-        """The state was lost: trust only bundles that verify. Installs always go to the slot
-        that is not primary, so of two valid bundles the older one was committed when the newer
-        one was installed: it becomes primary; the newer one might never have passed its health
-        gate, so it is marked bad (a later install overwrites it)."""
+    def _rebuild_from_disk(self, why: str) -> tuple[dict[str, Any], str]:
+        """The state was lost: trust only bundles that verify, with the trusted keys (or, for a
+        bundle the acks journal says was committed, with a key since retired: it was verified at
+        install). The journal's last word names the committed one; without one, installs always go
+        to the slot that is not primary, so of two valid bundles the older (by build, version,
+        then signing time) was committed when the newer one was installed: it becomes primary and
+        the newer one, which might never have passed its gate, is marked bad. Returns the state
+        and how the primary was chosen."""
         st = _empty_state()
-        valid: list[tuple[int, str]] = []
+        self._history_mark = 0
+        valid: dict[str, dict[str, Any]] = {}
+        journal_shas = {e["sha256"] for e in self._journal() if e.get("outcome") == "committed"}
         for s in SLOTS:
             p = self.bundle_path(s)
             if not p.exists():
                 continue
             try:
-                sha, model = self._verify_file(p, self.trusted_keys)
+                facts = self._verify_file(p, self.trusted_keys)
             except hmod.BundleError as e:
-                self._set(st, s, "bad", "adopt", f"{why}; bundle does not verify: {e}")
-                self._note(f"slot {s}: bundle does not verify ({e}); marked bad")
-                continue
-            st["slots"][s].update(sha256=sha, model=model, installed_at=durable.now_iso())
-            valid.append((p.stat().st_mtime_ns, s))
-        valid.sort()
-        for i, (_, s) in enumerate(valid):
-            if i == 0:
-                self._set(st, s, "good", "adopt", f"{why}; oldest valid bundle on disk")
+                facts = self._proven_by_journal(p, journal_shas, e)
+                if facts is None:
+                    self._set(st, s, "bad", "adopt", f"{why}; bundle does not verify: {e}")
+                    self._note(f"slot {s}: bundle does not verify ({e}); marked bad")
+                    continue
+            facts["_mtime"] = p.stat().st_mtime_ns
+            valid[s] = facts
+            st["slots"][s].update({k: v for k, v in facts.items() if not k.startswith("_")},
+                                  installed_at=durable.now_iso())
+        if not valid:
+            return st, "nothing verifies"
+        ev = self._last_word({f["sha256"]: s for s, f in valid.items()})
+        if ev is not None and ev["outcome"] == "committed":
+            primary = next(s for s, f in valid.items() if f["sha256"] == ev["sha256"])
+            how = f"rebuilt from the bundles on disk: the acks journal says job {ev.get('job_id')} committed it"
+        else:
+            primary = next(s for s in valid if not any(self._newer(valid[s], f) for f in valid.values()))
+            how = ("rebuilt from the bundles on disk: " + ("the older valid bundle (nothing says the newer one was "
+                                                           "committed)" if len(valid) > 1 else "the one valid bundle"))
+        for s in sorted(valid, key=lambda s: s != primary):
+            if s == primary:
+                self._set(st, s, "good", "adopt", f"{why}; {how}")
                 st["primary"] = s
-                self._note(f"slot {s} is primary again (its bundle verifies)")
+                self._note(f"slot {s} is primary again ({how})")
+                continue
+            newer = self._newer(valid[s], valid[primary])
+            rolled = self._last_word({valid[s]["sha256"]: s})
+            if (rolled is not None and rolled["outcome"] == "rolled_back") or (newer and ev is None):
+                reason = ("the acks journal says it was rolled back" if rolled is not None
+                          and rolled["outcome"] == "rolled_back" else "newer bundle, not known to be committed")
+                self._set(st, s, "bad", "adopt", f"{why}; {reason}")
+                self._note(f"slot {s}: {reason}; marked bad")
             else:
-                self._set(st, s, "bad", "adopt", f"{why}; newer bundle, not known to be committed")
-                self._note(f"slot {s}: newer bundle, not known to be committed; marked bad")
-        return st
+                self._set(st, s, "good", "adopt", f"{why}; a valid bundle committed before slot {primary}'s")
+        return st, how
+
+    def _proven_by_journal(self, p: Path, committed: set[str], err: hmod.BundleError) -> dict[str, Any] | None:
+        """A bundle that no trusted key verifies any more, but whose sha256 the acks journal
+        records as committed: verified at install, so proven; it must still verify with a key
+        once trusted (``retired_keys``) and be whole."""
+        if not isinstance(err, (hmod.BadSignature, hmod.UnsignedBundle)) or not committed:
+            return None
+        try:
+            if durable.sha256_file(p) not in committed:
+                return None
+            return self._verify_file(p, list(self.trusted_keys) + list(self.retired_keys))
+        except (OSError, hmod.BundleError):
+            return None
+
+    @staticmethod
+    def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        """Whether bundle ``a`` is newer than ``b``: by their manifests' build, version, then
+        signing time (hmod.downgrade_reason's order), else by the files' times."""
+        if hmod.downgrade_reason(b["_manifest"], a["_manifest"]) is not None:
+            return True
+        if hmod.downgrade_reason(a["_manifest"], b["_manifest"]) is not None:
+            return False
+        return a["_mtime"] > b["_mtime"]
 
     def _adopt_current(self, st: dict[str, Any]) -> dict[str, Any]:
         """A directory from before slots (<slot_dir>/current.hmod): copy it into slot a."""
         src = self.dir / "current.hmod"
         try:
-            sha, model = self._verify_file(src, self.trusted_keys)
+            facts = self._verify_file(src, self.trusted_keys)
         except hmod.BundleError as e:
             self._note(f"current.hmod does not verify ({e}); starting with empty slots")
             return st
-        self._copy_durably(src, self.bundle_path("a"), sha)
-        st["slots"]["a"].update(sha256=sha, model=model, installed_at=durable.now_iso())
+        self._copy_durably(src, self.bundle_path("a"), facts["sha256"])
+        st["slots"]["a"].update({k: v for k, v in facts.items() if not k.startswith("_")},
+                                installed_at=durable.now_iso())
         self._set(st, "a", "good", "adopt", "adopted current.hmod")
         st["primary"] = "a"
         self._note("adopted current.hmod into slot a as primary")
@@ -480,51 +631,72 @@ class SlotStore:
         """A compact summary for the agent's status message."""
         st = self.load()
         return {"primary": st["primary"], "trial": st["trial"],
-                "slots": {s: {k: v[k] for k in ("state", "model", "sha256", "installed_at", "job_id")}
+                "slots": {s: {k: v.get(k) for k in ("state", "model", "sha256", "installed_at", "job_id", "verified_by")}
                           for s, v in st["slots"].items()}}
+
+    def install_trust(self, slot: str) -> tuple[list[Any], str] | None:
+        """([the key that verified it at install], its sha256) for a good slot, or None when
+        the slot recorded no key (installed without trusted keys, or by an older agent): trust is
+        decided at install, so a committed bundle opens with the key that verified it, and only
+        if it is still those bytes, even after that key was retired."""
+        rec = self.load()["slots"].get(slot) or {}
+        if rec.get("state") != "good" or not rec.get("signer_key") or not rec.get("sha256"):
+            return None
+        try:
+            return [hmod.public_key_from_pem(rec["signer_key"])], rec["sha256"]
+        except hmod.BundleError:
+            return None
+
+    def boot(self) -> dict[str, Any] | None:
+        """The commit that has not served yet ({"slot", "job_id", "attempts"}), or None."""
+        st = self.load()
+        b = st.get("boot")
+        return copy.deepcopy(b) if b and b.get("slot") == st["primary"] else None
 
     # --------------------------------------------------------------------- writing state
     def _write(self, st: dict[str, Any], what: str) -> None:
-        """The only way state.json changes: temp file, fsync, atomic rename, fsync the dir."""
-        st.pop("checksum", None)  # the one it was read with; a new one is stamped below
+        """The only way state.json changes: record.write (temp file, fsync, the old state kept
+        as state.json.prev, atomic rename, fsync the dir). A write that undoes something
+        (UNDO_WRITES) may spend the reserve when the disk is full: a rollback must never be
+        what a full disk prevents."""
+        st.pop(record.CHECKSUM, None)  # the one it was read with; record.write stamps a new one
         _check_state(st)
         st["history"] = st["history"][-HISTORY_MAX:]
         if len(st["jobs"]) > JOBS_MAX:
             for old in sorted(st["jobs"], key=lambda j: st["jobs"][j].get("at") or "")[:len(st["jobs"]) - JOBS_MAX]:
                 del st["jobs"][old]
-        st["checksum"] = _checksum(st)
-        data = (json.dumps(st, indent=1, sort_keys=True) + "\n").encode("utf-8")
-        tmp = self.dir / f".{STATE_NAME}.{os.getpid()}.tmp"
+        step = lambda name: _step(f"{what}:{name}")  # noqa: E731
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            _step(f"{what}:tmp_written")
-            self._keep_previous()
-            os.replace(tmp, self.state_path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _step(f"{what}:replaced")
-        durable.fsync_dir(self.dir)
+            record.write(self.state_path, st, step)
+        except OSError as e:
+            if e.errno != durable.NO_SPACE or what not in UNDO_WRITES or not self._release_reserve():
+                raise
+            log.warning("%s: the disk is full: released the %d byte reserve to write the %s", self.dir,
+                        RESERVE_BYTES, what)
+            record.write(self.state_path, st, step)
         self._state = st
+        self._keep_reserve()
 
-    def _keep_previous(self) -> None:
-        """The state being replaced stays as state.json.prev (a hard link: no copy, and
-        state.json never goes missing), the fallback when state.json is found damaged."""
-        prev, link = self.dir / PREV_NAME, self.dir / f".{PREV_NAME}.{os.getpid()}.tmp"
+    @property
+    def _reserve_path(self) -> Path:
+        return self.dir / RESERVE_NAME
+
+    def _keep_reserve(self) -> None:
+        """Put the reserve back once there is room (best effort: a full disk stays full)."""
+        p = self._reserve_path
+        if p.exists() or not self._reserve_wanted:
+            return
         try:
-            link.unlink(missing_ok=True)
-            os.link(self.state_path, link)
-            os.replace(link, prev)
-        except FileNotFoundError:
+            durable.atomic_write(p, bytes(RESERVE_BYTES), mode=0o600)
+        except OSError:
             pass
-        except OSError:  # a filesystem without hard links: copy it
-            try:
-                durable.atomic_write(prev, self.state_path.read_bytes())
-            except OSError as e:
-                log.warning("cannot keep the previous state: %s", e)
+
+    def _release_reserve(self) -> bool:
+        try:
+            self._reserve_path.unlink()
+            return True
+        except OSError:
+            return False
 
     def _set(self, st: dict[str, Any], slot: str, to: str, op: str, reason: str,
              job_id: str | None = None) -> None:
@@ -624,9 +796,10 @@ class SlotStore:
         try:
             # 1. verify everything before anything is written to a slot
             try:
-                file_sha, model = self._verify_file(src, keys)
+                facts = self._verify_file(src, keys)
             except hmod.BundleError as e:
                 raise refusal_from(e) from None
+            file_sha, model = facts["sha256"], facts["model"]
             if expected_sha256 and file_sha != expected_sha256.lower():
                 raise InstallRefused(f"bundle sha256 {file_sha[:16]}... differs from the job's "
                                      f"{expected_sha256[:16]}...", kind="sha256_mismatch")
@@ -636,8 +809,12 @@ class SlotStore:
             self._check_space(st, slot, need)
             # 3. the slot is being overwritten: say so durably before touching its file
             self._set(st, slot, "installing", "install", f"installing job {job_id}", job_id)
-            st["slots"][slot].update(sha256=None, model=None, installed_at=None, job_id=job_id)
-            self._write(st, "installing")
+            st["slots"][slot].update(sha256=None, model=None, installed_at=None, job_id=job_id,
+                                     verified_by=None, signer_key=None)
+            try:
+                self._write(st, "installing")
+            except OSError as e:  # nothing changed: state.json is the old one
+                raise _io_refusal(e, f"cannot write {STATE_NAME}") from None
             dst = self.bundle_path(slot)
             try:
                 if dst.exists():
@@ -655,20 +832,20 @@ class SlotStore:
                 else:
                     self._copy_durably(src, dst, file_sha)
                 _step("install:copy_renamed")
+                # 4. trial: the new slot is on disk; the primary is still the old one
+                st = self._read()
+                self._set(st, slot, "trial", "install", f"installed by job {job_id}", job_id)
+                st["slots"][slot].update(sha256=file_sha, model=model, installed_at=durable.now_iso(), job_id=job_id,
+                                         verified_by=facts["verified_by"], signer_key=facts["signer_key"])
+                st["trial"] = {"slot": slot, "job_id": job_id, "started_at": durable.now_iso(),
+                               "previous": st["primary"]}
+                self._record_job(st, job_id, "trial", slot, None, file_sha)
+                self._write(st, "trial")
             except BaseException as e:
                 self._abort_install(slot, job_id, e)
                 if isinstance(e, OSError):
-                    kind = "no_space" if e.errno == durable.NO_SPACE else "io_error"
-                    raise InstallRefused(f"cannot write the bundle into slot {slot}: "
-                                         f"{e.strerror or e}", kind=kind) from None
+                    raise _io_refusal(e, f"cannot write the bundle into slot {slot}") from None
                 raise
-            # 4. trial: the new slot is on disk; the primary is still the old one
-            st = self._read()
-            self._set(st, slot, "trial", "install", f"installed by job {job_id}", job_id)
-            st["slots"][slot].update(sha256=file_sha, model=model, installed_at=durable.now_iso(), job_id=job_id)
-            st["trial"] = {"slot": slot, "job_id": job_id, "started_at": durable.now_iso(), "previous": st["primary"]}
-            self._record_job(st, job_id, "trial", slot, None, file_sha)
-            self._write(st, "trial")
             log.info("job %s: %s installed in slot %s, in trial", job_id, model, slot)
             return slot
         finally:
@@ -714,9 +891,7 @@ class SlotStore:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             dst.unlink(missing_ok=True)
-            kind = "no_space" if e.errno == durable.NO_SPACE else "io_error"
-            raise InstallRefused(f"cannot stage the bundle in {dst.parent}: {e.strerror or e}; "
-                                 f"the running model is untouched", kind=kind) from None
+            raise _io_refusal(e, f"cannot stage the bundle in {dst.parent}") from None
 
     @staticmethod
     def _copy_durably(src: Path, dst: Path, want_sha: str) -> None:
@@ -835,17 +1010,20 @@ class SlotStore:
                 self._record_job(st, job, "rolled_back", cur, reason, st["slots"][cur]["sha256"], kind="crash_loop")
             self._write(st, "boot_rollback")
             log.error("%s: rolled back to slot %s", reason, other)
-            return {"job_id": job, "slot": cur, "attempts": b["attempts"] - 1, "reason": reason, "to": other}
+            return {"job_id": job, "slot": cur, "attempts": b["attempts"] - 1, "reason": reason, "to": other,
+                    "sha256": st["slots"][cur]["sha256"]}
 
     def boot_pending(self) -> bool:
-        b = self.load().get("boot")
-        return bool(b) and b.get("slot") == self.load()["primary"]
+        return self.boot() is not None
 
-    def confirm_boot(self) -> None:
-        """The committed model served: its starts no longer count."""
+    def confirm_boot(self, slot: str | None = None, job_id: str | None = None) -> None:
+        """The committed model served: its starts no longer count. With ``slot``/``job_id``, only
+        if the pending commit is that one (a newer commit's count is not cleared by an older one's
+        frames)."""
         with self._locked():
             st = self._read()
-            if st.get("boot"):
+            b = st.get("boot")
+            if b and (slot is None or (b.get("slot"), b.get("job_id")) == (slot, job_id)):
                 st["boot"] = None
                 self._write(st, "boot_ok")
 
@@ -857,6 +1035,7 @@ class SlotStore:
         good slot if not. Returns what it did (also logged), empty when nothing was needed."""
         with self._locked():
             self.notes = []
+            self._reserve_wanted = True
             st = self._read()
             done = list(self.notes)
             changed = False
@@ -889,6 +1068,7 @@ class SlotStore:
                 changed |= self._verify_primary(st, done)
             if changed:
                 self._write(st, "recover")
+            self._keep_reserve()
             for msg in done[len(self.notes):]:
                 log.warning("%s: %s", self.dir, msg)
             return done

@@ -133,7 +133,8 @@ def test_empty_store_layout(store):
     assert (d / "state.json").is_file() and (d / "a").is_dir() and (d / "b").is_dir() and (d / "staging").is_dir()
     assert st["version"] == 1 and st["primary"] is None and st["trial"] is None
     assert st["slots"]["a"] == {"bundle": "a/model.hmod", "sha256": None, "model": None, "state": "empty",
-                                "installed_at": None, "job_id": None, "reason": None}
+                                "installed_at": None, "job_id": None, "reason": None, "verified_by": None,
+                                "signer_key": None}
     assert store.primary_bundle() is None
     assert store.inactive_slot() == "a"
     assert store.recover_on_start() == []
@@ -518,6 +519,119 @@ def test_lost_state_json_and_adopting_current_hmod(tmp_path, B, keys):
     s2 = SlotStore(d, trusted_keys=[pub])
     assert s2.primary() == "a" and any("adopted current.hmod" in n for n in s2.notes)
     assert_consistent(d, pub, sha(B["v2"]))
+
+
+def test_a_directory_in_place_of_state_json_is_moved_aside_and_the_state_recovered(store, B, keys):
+    """Anything unreadable at state.json's path (here a directory) is a damaged state: moved
+    aside, the previous state back, and the recovery described for the status message."""
+    pub = keys["k1.pub"]
+    committed(store, B["v1"], "j1", pub)
+    committed(store, B["v2"], "j2", pub)
+    store.confirm_boot()
+    (store.dir / "state.json").unlink()
+    (store.dir / "state.json").mkdir()
+    fresh = SlotStore(store.dir, trusted_keys=[pub])
+    fresh.recover_on_start()
+    rec = fresh.recovery
+    assert rec["damaged"] == "state.json" and "Is a directory" in rec["reason"], rec
+    assert (store.dir / rec["kept_as"]).is_dir() and (store.dir / "state.json").is_file()
+    assert rec["chose"]["slot"] == "b" and rec["chose"]["how"].startswith("the previous state"), rec
+    assert_consistent(store.dir, pub, sha(B["v2"]))
+
+
+def test_a_lost_state_follows_the_acks_journal_to_the_committed_bundle(store, B, keys):
+    """state.json and its previous copy both damaged: without evidence the older valid bundle is
+    chosen (the newer may never have passed its gate); with the acks journal saying the newer was
+    committed, the newer is, and nothing is marked bad; a journal saying it was rolled back later
+    wins over its commit."""
+    pub = keys["k1.pub"]
+    committed(store, B["v1"], "j1", pub)
+    committed(store, B["v2"], "j2", pub)
+
+    def damage():
+        (store.dir / "state.json").write_bytes(b"\0" * 10)
+        (store.dir / "state.json.prev").write_bytes(b"")
+
+    damage()
+    plain = SlotStore(store.dir, trusted_keys=[pub])
+    assert plain.primary() == "a" and plain.recovery["marked_bad"][0]["slot"] == "b", plain.recovery
+    assert "nothing says the newer one was committed" in plain.recovery["chose"]["how"]
+    committed_v2 = {"sha256": sha(B["v2"]), "outcome": "committed", "job_id": "j2", "at": 2.0}
+    for journal, want in (([committed_v2], "b"),
+                          ([committed_v2, {**committed_v2, "outcome": "rolled_back", "at": 3.0}], "a")):
+        store.bundle_path("b").write_bytes(B["v2"].read_bytes())  # the plain recovery marked it bad, kept it
+        damage()
+        fresh = SlotStore(store.dir, trusted_keys=[pub])
+        fresh.evidence = lambda journal=journal: journal
+        st = fresh.load()
+        assert st["primary"] == want, (journal, fresh.recovery)
+        if want == "b":
+            assert fresh.recovery["marked_bad"] == [] and st["slots"]["a"]["state"] == "good", fresh.recovery
+            assert "the acks journal says job j2 committed it" in fresh.recovery["chose"]["how"]
+        else:
+            assert [m["slot"] for m in fresh.recovery["marked_bad"]] == ["b"], fresh.recovery
+            assert "rolled back" in fresh.recovery["marked_bad"][0]["reason"]
+
+
+def test_a_previous_state_one_step_older_is_brought_up_to_the_journal(store, B, keys):
+    """state.json damaged right after a commit: its previous copy is the trial; the acks journal
+    says the job committed, so the trial is committed again rather than rolled back."""
+    pub = keys["k1.pub"]
+    committed(store, B["v1"], "j1", pub)
+    store.install(B["v2"], "j2", [pub])
+    store.commit()
+    (store.dir / "state.json").write_bytes(b'{"truncated')
+    fresh = SlotStore(store.dir, trusted_keys=[pub])
+    fresh.evidence = lambda: [{"sha256": sha(B["v2"]), "outcome": "committed", "job_id": "j2", "at": 1.0}]
+    fresh.recover_on_start()
+    assert "the acks journal says job j2 committed it" in fresh.recovery["chose"]["how"], fresh.recovery
+    st = assert_consistent(store.dir, pub, sha(B["v2"]))
+    assert st["boot"]["slot"] == "b"  # it has not been seen serving: its starts count
+
+
+def test_trust_is_recorded_at_install(store, B, keys):
+    """The key that verified a bundle at install is recorded with it, and a good slot's bundle
+    opens with that key however the trusted keys change later, as long as it is the same bytes."""
+    pub = keys["k1.pub"]
+    committed(store, B["v1"], "j1", pub)
+    st = store.load()
+    fp = hmod.key_fingerprint(hmod.load_public_key(pub))
+    assert st["slots"]["a"]["verified_by"] == fp and "BEGIN PUBLIC KEY" in st["slots"]["a"]["signer_key"]
+    keys_, want = store.install_trust("a")
+    assert want == sha(B["v1"])
+    with hmod.open_bundle(store.bundle_path("a"), keys_) as b:
+        assert b.verified_by == fp
+    assert store.install_trust("b") is None  # empty
+
+
+def test_a_rollback_is_written_on_a_full_disk_and_a_commit_is_not(tmpfs, B, keys):
+    """The agent's store keeps a small reserve file: when the disk is full a rollback (an undo)
+    spends it and is written; a commit (a new commitment) is refused with ENOSPC."""
+    import errno
+
+    pub = keys["k1.pub"]
+    size = B["v1"].stat().st_size
+    d = tmpfs(4 * size + 4 * slots.RESERVE_BYTES)
+    store = SlotStore(d / "slots", reserve_bytes=4096)
+    committed(store, B["v1"], "j1", pub)
+    store.recover_on_start()
+    assert (store.dir / slots.RESERVE_NAME).stat().st_size == slots.RESERVE_BYTES
+    for job in ("j2", "j3"):
+        store.install(B["v2"], job, [pub])
+        with open(d / "filler", "wb", buffering=0) as f:
+            with pytest.raises(OSError) as e:
+                while True:
+                    f.write(b"\0" * 4096)
+        assert e.value.errno == errno.ENOSPC
+        if job == "j2":
+            with pytest.raises(OSError, match="No space left"):
+                store.commit()
+        store.rollback("the disk is full")
+        (d / "filler").unlink()
+        assert_consistent(store.dir, pub, sha(B["v1"]))
+        assert store.job(job)["outcome"] == "rolled_back"
+    store.install(B["v3"], "j4", [pub])
+    assert (store.dir / slots.RESERVE_NAME).stat().st_size == slots.RESERVE_BYTES  # back once there is room
 
 
 # --- 6. simulated crashes: the state each step leaves behind, then a restart -------------------
