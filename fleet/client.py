@@ -106,6 +106,8 @@ class Fleet:
         self.telemetry: dict[str, dict] = {}
         self._cond = threading.Condition()
         self._listeners: list[Callable[[str, str, dict, bool], None]] = []
+        self._reconnect_listeners: list[Callable[[], None]] = []
+        self.connects = 0   # 2+: the connection to the broker came back (what was in flight is lost)
         self._responses: dict[bytes, dict] = {}
         self.sent = {"messages": 0, "bytes": 0}
         self.per_device: dict[str, dict[str, int]] = {}
@@ -195,7 +197,14 @@ class Fleet:
         client.subscribe([(protocol.fleet_filter(p, protocol.STATUS), 1), (protocol.fleet_filter(p, protocol.UPDATE_ACK), 1),
                           (protocol.fleet_filter(p, protocol.UPDATE_NEED), 1), (protocol.fleet_filter(p, protocol.RESPONSE), 1),
                           (protocol.fleet_filter(p, protocol.TELEMETRY), 0)])
+        self.connects += 1
         self.connected.set()
+        if self.connects > 1:
+            for fn in list(self._reconnect_listeners):
+                try:
+                    fn()
+                except Exception as e:
+                    self.log(f"after the reconnect: {e}")
 
     def _on_message(self, client, userdata, msg) -> None:
         parts = msg.topic.split("/")
@@ -281,6 +290,11 @@ class Fleet:
     def unlisten(self, fn: Callable[[str, str, dict, bool], None]) -> None:
         self._listeners.remove(fn)
 
+    def on_reconnect(self, fn: Callable[[], None] | None, remove: bool = False) -> None:
+        """``fn()`` after every reconnect to the broker (from the MQTT thread, subscriptions sent);
+        ``remove=True`` to stop."""
+        (self._reconnect_listeners.remove if remove else self._reconnect_listeners.append)(fn)
+
     def wait_for_change(self, timeout: float) -> None:
         """Until a message arrives, at most ``timeout`` seconds."""
         with self._cond:
@@ -300,7 +314,7 @@ class Fleet:
                 out[d] = {"online": s.get("online"), "state": s.get("state"), "model": s.get("model"),
                           "slot": s.get("slot"), "agent_version": s.get("agent_version"),
                           "last_job": ({k: ack.get(k) for k in ("job_id", "state", "reason")} if ack else None),
-                          "ts": s.get("ts")}
+                          "recovered": s.get("recovered"), "keyring": s.get("keyring"), "ts": s.get("ts")}
             return out
 
     def job_status(self, job_id: str, wait: float = 1.0) -> dict[str, dict]:
@@ -381,15 +395,18 @@ class Fleet:
 
     # -------------------------------------------------------------------------- key rotation
     def key_command(self, devices: Iterable[str], op: str, signing_key: Path, *, public_key: Path | None = None,
-                    fingerprint: str | None = None, timeout: float = 30.0) -> dict[str, dict]:
-        """Send a signed add-key (``public_key``) or retire-key (``fingerprint``) command
-        (agent/update/keys.py) and collect each device's answer."""
+                    fingerprint: str | None = None, force: bool = False, timeout: float = 30.0) -> dict[str, dict]:
+        """Send a signed add-key (``public_key``) or retire-key (``fingerprint``; ``force``: even
+        when it signed every good model of a device) command (agent/update/keys.py) and collect
+        each device's answer (a retire-key's names the installed models it ``affects``)."""
         body: dict[str, Any] = {"op": op, "id": f"keyop-{uuid.uuid4().hex[:12]}", "issued": round(time.time(), 6)}
         try:
             if op == "add-key":
                 body["key"] = hmod.public_key_pem(hmod.load_public_key(public_key))
             else:
                 body["fingerprint"] = fingerprint
+                if force:
+                    body["force"] = True
             msg = hmod.sign_command(body, signing_key)
         except hmod.BundleError as e:
             raise FleetError(str(e)) from None

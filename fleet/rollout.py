@@ -109,6 +109,8 @@ class Rollout:
         self._attempts: dict[tuple[str, int], int] = {}
         self._sent_at: dict[int, float] = {}  # fleet-wide chunks of this wave: when each was sent
         self._sent_pos: dict[int, int] = {}   # ... and in which order
+        self._host_back: float | None = None  # when our own connection last came back (what was sent before is lost)
+        self._offer_bytes = b""
         self._lock = threading.Lock()
         self._quiet = False
         self.t0 = time.monotonic()
@@ -161,6 +163,7 @@ class Rollout:
         if self.transport == "url":
             self._start_artifacts(plan)
         self.fleet.listen(self._on_message)
+        self.fleet.on_reconnect(self._host_reconnected)
         aborted: str | None = None
         failures = 0
         try:
@@ -176,6 +179,7 @@ class Rollout:
                     self.progress(f"aborting the rollout: {aborted}")
         finally:
             self.fleet.unlisten(self._on_message)
+            self.fleet.on_reconnect(self._host_reconnected, remove=True)
             if self.server is not None:
                 self.server.stop()
         counts: dict[str, int] = {}
@@ -211,7 +215,7 @@ class Rollout:
         devs = wave.devices
         self._quiet = len(devs) > QUIET_ABOVE
         self.progress(f"{wave.name}: {len(devs)} device(s): {', '.join(devs[:8])}{' ...' if len(devs) > 8 else ''}")
-        offer_bytes = json.dumps(plan.offer, separators=(",", ":")).encode()
+        offer_bytes = self._offer_bytes = json.dumps(plan.offer, separators=(",", ":")).encode()
         now = time.monotonic()
         with self._lock:
             self._sent_at, self._sent_pos = {}, {}
@@ -322,11 +326,16 @@ class Rollout:
         """Chunks a device misses, re-sent on its own topic: those it reported bad or lost in a
         reconnect, those sent fleet-wide before it subscribed, those sent fleet-wide before a
         chunk it already has (one session delivers in order, so an earlier one was lost), and
-        those sent fleet-wide more than RESEND_GRACE_S ago. Any other chunk is on its way to the
-        device (QoS 1 on a live session): sending it again would double the bytes."""
+        those sent fleet-wide more than RESEND_GRACE_S ago, and those sent before the device's session
+        began (its ``session_s``) or before our own connection came back. Any other chunk is on its
+        way to the device (QoS 1 on a live session): sending it again would double the bytes."""
         n, now = len(self.planned.chunks), time.monotonic()
         idx = [i for i in need.get("missing") or [] if isinstance(i, int) and 0 <= i < n]
         now_due = bool(need.get("bad") or need.get("reconnected"))
+        # chunks sent before the device's session began, or before ours came back, are lost
+        session_s = need.get("session_s")
+        lost_before = max(now - session_s if isinstance(session_s, (int, float)) and session_s >= 0 else 0.0,
+                          self._host_back or 0.0)
         with self._lock:
             st = self._live.get(dev)
             if st is None:
@@ -340,13 +349,26 @@ class Rollout:
                 sent = self._sent_at.get(i)
                 if sent is None:
                     return False
-                return (now_due or (st.answered_at is not None and st.answered_at > sent)
+                return (now_due or sent < lost_before or (st.answered_at is not None and st.answered_at > sent)
                         or latest > self._sent_pos[i] or now - sent >= RESEND_GRACE_S)
 
             todo = [i for i in idx if i not in st.pending and due(i)]
             st.pending.update(todo)
         for i in todo:
             self.fleet.enqueue((self._send_chunk, dev, i))
+
+    def _host_reconnected(self) -> None:
+        """Our connection to the broker came back (a broker restart, a network cut): whatever we
+        sent before may be lost, and so may a device's need sent while we were away. Every chunk
+        sent so far counts as lost, and the job is offered again to the devices still on it, which
+        answer at once with what they miss (instead of at their next need, seconds to a minute away)."""
+        with self._lock:
+            self._host_back = time.monotonic()
+            devs = sorted(self._open)
+        if devs:
+            self.progress(f"the broker connection came back: asking {len(devs)} device(s) what they miss")
+        for d in devs:
+            self.fleet.enqueue((self._send_offer, d, self._offer_bytes))
 
     # --------------------------------------------------------------------------- receiving
     def _on_message(self, dev: str, kind: str, body: dict, retained: bool) -> None:
@@ -370,7 +392,7 @@ class Rollout:
             return
         r.update(state=state, reason=body.get("reason"), kind=body.get("kind"))
         for k in ("p95_ms", "health", "count", "n_chunks", "model", "repeated", "slot", "running",
-                  "running_expires", "superseded_by", "downgrade"):
+                  "running_expires", "superseded_by", "downgrade", "attempts"):
             if k in body:
                 r[k] = body[k]
         if protocol.is_final(state):

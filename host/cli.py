@@ -582,9 +582,27 @@ def fleet_devices(broker, cafile, prefix, as_json, wait):
         job = s.get("last_job") or {}
         click.echo(f"{d:24s} {'online ' if s.get('online') else 'offline'} {str(s.get('state')):9s} "
                    f"{m.get('name')} v{m.get('version')} slot {s.get('slot')} "
-                   f"sha {str(m.get('sha256'))[:12]}  last job: {job.get('job_id')} {job.get('state') or ''}")
+                   f"sha {str(m.get('sha256'))[:12]}  last job: {job.get('job_id')} {job.get('state') or ''}"
+                   + _recovery_note(s))
     if not devs:
         click.echo("no devices (no retained status under the prefix)", err=True)
+
+
+def _recovery_note(status: dict) -> str:
+    """What a device had to repair at its start (its status' `recovered`), and a keyring that
+    fell back to the configured keys: said on the device's line, so an operator sees it."""
+    out = ""
+    for r in status.get("recovered") or ():
+        chose = r.get("chose") or {}
+        bad = ", ".join(f"slot {b.get('slot')}" for b in r.get("marked_bad") or ())
+        out += (f"  recovered: {r.get('damaged')} ({r.get('reason')})"
+                + (f", serving slot {chose['slot']} ({chose.get('how')})" if chose.get("slot") else
+                   f", {chose.get('how')}" if chose.get("how") else "")
+                + (f", marked bad: {bad}" if bad else ""))
+    kr = status.get("keyring") or {}
+    if kr.get("state") == "rebuilt":
+        out += f"  keyring rebuilt: trusting {', '.join(kr.get('trusted') or []) or 'no key'}"
+    return out
 
 
 @fleet.command("deploy")
@@ -660,22 +678,37 @@ def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_fail
 
 
 @fleet.command("status")
-@click.argument("job")
+@click.argument("job", required=False)
 @_broker_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--wait", default=1.0, show_default=True, help="Seconds to collect retained acks.")
+@click.option("--wait", default=1.0, show_default=True, help="Seconds to collect retained messages.")
 def fleet_status(job, broker, cafile, prefix, as_json, wait):
-    """The last ack of JOB per device (from the retained update/ack topics)."""
+    """The last ack of JOB per device (from the retained update/ack topics), with what a device
+    had to recover at its start; without JOB, every device's state and recoveries."""
     f = _fleet(broker, cafile, prefix)
     try:
-        st = f.job_status(job, wait=wait)
+        st = f.job_status(job, wait=wait) if job else {}
+        devs = f.devices(wait=0.0 if job else wait)
     finally:
         f.close()
+    if not job:
+        if as_json:
+            click.echo(json.dumps({d: {k: s.get(k) for k in ("online", "state", "model", "slot", "recovered", "keyring")}
+                                   for d, s in devs.items()}, indent=2))
+            return
+        for d, s in devs.items():
+            m = s.get("model") or {}
+            click.echo(f"{d:24s} {'online ' if s.get('online') else 'offline'} {str(s.get('state')):9s} "
+                       f"{m.get('name')} v{m.get('version')} slot {s.get('slot')}" + _recovery_note(s))
+        if not devs:
+            click.echo("no devices (no retained status under the prefix)", err=True)
+        return
     if as_json:
-        click.echo(json.dumps(st, indent=2))
+        click.echo(json.dumps({d: {**a, **({"recovered": devs[d]["recovered"]} if (devs.get(d) or {}).get("recovered")
+                                           else {})} for d, a in st.items()}, indent=2))
         return
     for d, a in st.items():
-        click.echo(f"{d:24s} {a.get('state'):12s} {a.get('reason') or ''}")
+        click.echo(f"{d:24s} {a.get('state'):12s} {a.get('reason') or ''}" + _recovery_note(devs.get(d) or {}))
     if not st:
         click.echo(f"no device reports job {job}", err=True)
 
@@ -717,8 +750,17 @@ def _key_op(op, devices, sign_with, broker, cafile, prefix, timeout, as_json, **
         sys.exit(2)
     finally:
         f.close()
-    _per_device(out, as_json, lambda a: ("ok trusted: " + ", ".join(a.get("trusted") or [])) if a.get("ok")
-                else f"FAILED {a.get('reason')}", lambda a: a.get("ok"))
+    _per_device(out, as_json, lambda a: (("ok trusted: " + ", ".join(a.get("trusted") or [])) if a.get("ok")
+                                         else f"FAILED {a.get('reason')}") + _affects(a), lambda a: a.get("ok"))
+
+
+def _affects(answer: dict) -> str:
+    """A retire-key's answer: the installed models the key signed (they keep serving)."""
+    if "affects" not in answer:
+        return ""
+    models = [f"slot {a.get('slot')} {(a.get('model') or {}).get('name')} v{(a.get('model') or {}).get('version')}"
+              + (" (serving)" if a.get("primary") else "") for a in answer["affects"]]
+    return "; signed " + (", ".join(models) if models else "no installed model")
 
 
 def _key_options(f):
@@ -740,10 +782,14 @@ def fleet_keys_add(public_key, devices, sign_with, broker, cafile, prefix, timeo
 
 @fleet_keys.command("retire")
 @click.argument("fingerprint")
+@click.option("--force", is_flag=True, help="Retire it even on a device where it signed every good model.")
 @_key_options
-def fleet_keys_retire(fingerprint, devices, sign_with, broker, cafile, prefix, timeout, as_json):
-    """Stop trusting the key FINGERPRINT (from `tandoor keygen`); its bundles are refused from now on."""
-    _key_op("retire-key", devices, sign_with, broker, cafile, prefix, timeout, as_json, fingerprint=fingerprint)
+def fleet_keys_retire(fingerprint, force, devices, sign_with, broker, cafile, prefix, timeout, as_json):
+    """Stop trusting the key FINGERPRINT (from `tandoor keygen`); its bundles are refused from now on.
+    Installed models it signed keep serving (trusted at install); each device names them, and one
+    where it signed every good model refuses unless --force."""
+    _key_op("retire-key", devices, sign_with, broker, cafile, prefix, timeout, as_json, fingerprint=fingerprint,
+            force=force)
 
 
 @fleet.command("rollback")
