@@ -6,6 +6,9 @@
     NotifySocket                  a unix datagram socket as systemd's NOTIFY_SOCKET
     status_of(rec, dev, ...)      wait for a (retained) status message that satisfies a predicate
     make_bundles, seed_slots, agent_config, running_sha   update-test bundles and devices
+    start_agent, deploy, acks, serving_frames, assert_committed_state   an update test's steps and checks
+    fixtures wd, broker, B         a module's work dir, mosquitto and make_bundles' bundles
+                                   (``from support.agents import B, broker, wd``)
 """
 
 from __future__ import annotations
@@ -21,16 +24,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from tandoor_agent.update import slots
 from tandoor_agent.update.slots import SlotStore
 from tandoor_contract import hmod
 
-from .bundle_edit import npy, rewrite, version
+from .bundle_edit import npy, rewrite, sha, version
 from .cli import BIN, compiled
-from .mosquitto import Recorder
+from .mosquitto import Broker, Recorder
 
 AGENT = os.environ.get("TANDOOR_AGENT", "").split() or [str(BIN / "tandoor-agent")]
 START_TIMEOUT = 180  # importing TVM on a busy 2-core CI machine
+CHUNK = 16 * 1024    # update tests send bundles in chunks this size: several chunks even for a small bundle
 
 
 def write_config(path: Path, **sections) -> Path:
@@ -183,11 +189,15 @@ def seed_slots(slot_dir: Path, bundle: Path, pub: Path) -> Path:
     return slot_dir
 
 
-def agent_config(wd: Path, dev: str, port: int, slot_dir: Path, pub: Path) -> Path:
+def agent_config(wd: Path, dev: str, port: int, slot_dir: Path, pub: Path, broker: dict | None = None,
+                 **tables) -> Path:
+    """An update test's device: its slot dir, the test key, a synthetic camera; ``broker``
+    entries and other tables (``update={...}``) on top."""
     return write_config(wd / f"{dev}.toml", device_id=dev, slot_dir=str(slot_dir), trusted_keys=[str(pub)],
                         delegate="onnxruntime", telemetry_period_s=1.0, results_max_rate_hz=5.0,
-                        broker={"port": port, "reconnect_min_s": 0.5, "reconnect_max_s": 2.0, "keepalive_s": 10},
-                        camera={"source": "synthetic:64x48@20"})
+                        broker={"port": port, "reconnect_min_s": 0.5, "reconnect_max_s": 2.0, "keepalive_s": 10,
+                                **(broker or {})},
+                        camera={"source": "synthetic:64x48@20"}, **tables)
 
 
 def running_sha(rec: Recorder, dev: str, want: str, timeout: float = 60) -> dict:
@@ -195,3 +205,62 @@ def running_sha(rec: Recorder, dev: str, want: str, timeout: float = 60) -> dict
     with Recorder(rec.port, f"tandoor/{dev}/status") as fresh:
         return status_of(fresh, dev, timeout, lambda s: s.get("online") and s.get("state") == "running"
                          and (s.get("model") or {}).get("sha256") == want, f"{dev} serving {want[:12]}")
+
+
+def start_agent(wd: Path, dev: str, cfg: Path, rec: Recorder, env: dict | None = None, tag: str = "") -> AgentProcess:
+    """An agent started with ``cfg``, once its retained status says it runs (``rec`` is cleared first)."""
+    rec.clear()
+    a = AgentProcess(["--config", str(cfg)], wd / f"{dev}{tag}.log", env=env)
+    status_of(rec, dev, START_TIMEOUT, lambda s: s.get("state") == "running" and s.get("online"), f"{dev} running")
+    return a
+
+
+def deploy(port: int, bundle: Path, devices: list[str], timeout: float = 240, **kw) -> dict:
+    """A rollout from the host side (tandoor_fleet), as `tandoor fleet deploy` runs it."""
+    from tandoor_fleet.rollout import Fleet
+
+    f = Fleet(f"mqtt://127.0.0.1:{port}").connect()
+    try:
+        return f.deploy(bundle, devices, timeout=timeout, chunk_size=kw.pop("chunk_size", CHUNK), **kw)
+    finally:
+        f.close()
+
+
+def serving_frames(rec: Recorder, dev: str, timeout: float = 30) -> None:
+    """Frames keep flowing: results published after this point."""
+    t = time.time()
+    rec.wait_for(lambda m: m.topic == f"tandoor/{dev}/results" and m.t > t, timeout, f"{dev} results")
+
+
+def acks(rec: Recorder, dev: str, job: str) -> list[dict]:
+    return [m.json() for m in rec.on(f"tandoor/{dev}/update/ack") if m.json().get("job_id") == job]
+
+
+def assert_committed_state(slot_dir: Path, want_sha: str) -> dict:
+    """state.json is sound, no trial, and its primary is the bundle ``want_sha``, on disk."""
+    st = json.loads((slot_dir / "state.json").read_text())
+    slots._check_state(st)
+    assert st["trial"] is None and st["primary"] in ("a", "b"), st
+    assert all(s["state"] in ("good", "bad", "empty") for s in st["slots"].values()), st
+    assert st["slots"][st["primary"]]["sha256"] == want_sha
+    assert sha(slot_dir / st["primary"] / "model.hmod") == want_sha
+    return st
+
+
+# --- module fixtures of the update tests ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wd(tmp_path_factory, request):
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+
+
+@pytest.fixture(scope="module")
+def broker(wd):
+    b = Broker(wd / "broker").start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def B(bundles_dir, tmp_path_factory):  # noqa: N802 (the bundles, by the name the tests index)
+    return make_bundles(bundles_dir, tmp_path_factory.mktemp("bundles"))
