@@ -624,7 +624,8 @@ def test_key_rotation_add_then_retire_and_a_retired_keys_bundle_is_refused(wd, b
 class FlakyProxy:
     """127.0.0.1:port -> the broker, one thread per direction per connection. ``cut()`` resets
     every connection (RST), ``pause(s)`` holds all bytes for s seconds (longer than the
-    keepalive: the session dies), ``trickle(s)`` forwards one byte at a time for s seconds;
+    keepalive: the session dies, and so do its connections), ``trickle(s)`` forwards one byte at a
+    time for s seconds;
     ``up_budget``: after that many bytes client -> broker, hold the rest for good (``holding``
     is set); ``refusing``: new connections are closed at once. ``down`` counts the bytes that
     went broker -> agent."""
@@ -711,22 +712,28 @@ class FlakyProxy:
                 except OSError:
                     pass
 
-    def cut(self) -> None:
+    def cut(self, conns: list | None = None) -> None:
         import socket
         import struct
 
         self.cuts += 1
-        for c, u in self.conns:
+        conns = list(self.conns) if conns is None else conns
+        for c, u in conns:
             for s in (c, u):
                 try:
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     s.close()
                 except OSError:
                     pass
-        self.conns.clear()
+            if (c, u) in self.conns:
+                self.conns.remove((c, u))
 
     def pause(self, seconds: float) -> None:
+        """Hold every byte for ``seconds``; the connections of that time are then reset, as a link
+        dead that long is for both ends (the bytes they held, in the relay's buffers, are lost)."""
         self.paused_until = time.monotonic() + seconds
+        stalled = list(self.conns)
+        threading.Timer(seconds, self.cut, args=(stalled,)).start()
 
     def trickle(self, seconds: float) -> None:
         self.trickle_until = time.monotonic() + seconds
@@ -739,40 +746,49 @@ class FlakyProxy:
 
 def test_a_transfer_through_a_flaky_link_resumes_and_commits_once(wd, broker, B):
     """The agent reaches the broker through FlakyProxy while a 2 MiB bundle comes in 16 KiB
-    chunks: the connection is cut (RST) a third of the way, then all bytes are held for twice
-    the 5 s keepalive (past 1.5 x keepalive the broker ends the session) two thirds of the way,
-    then trickled a byte at a time. The transfer resumes each time asking only for what is
-    missing, the job commits once (one `committed` ack, one commit in the slot history), and the
-    agent serves the new model."""
+    chunks: the connection is cut (RST) as the host sends the chunk a third of the way; once the
+    agent is back and has asked for what it lost, all bytes are held for twice the 5 s keepalive
+    (past 1.5 x keepalive the broker ends the session) from the chunk two thirds of the way; the
+    first re-sends after that are trickled a byte at a time. The faults are placed by the host's own sending (the chunk_hook), so they
+    fall mid-transfer however fast the machine is. The transfer resumes each time asking only for
+    what is missing, the job commits once (one `committed` ack, one commit in the slot history),
+    and the agent serves the new model."""
     dev = "flaky"
     big = padded(B, "v3-2m", 2, "3")
-    size = big.stat().st_size
+    n = -(-big.stat().st_size // CHUNK)
     sd = seed_slots(wd / f"{dev}-slots", B["v1"], B["pub"])
     proxy = FlakyProxy(broker.port)
     keepalive = 5
     hold = 2 * keepalive
     cfg = agent_config(wd, dev, proxy.port, sd, B["pub"], broker={"keepalive_s": keepalive})
     faults: list[str] = []
+    held_until = [float("inf")]
 
-    def inject():
-        deadline = time.monotonic() + 240
-        base = proxy.down
-        for at, what in ((1 / 3, "cut"), (2 / 3, "pause"), (0.8, "trickle")):
-            while proxy.down - base < at * size and time.monotonic() < deadline:
-                time.sleep(0.01)
-            faults.append(f"{what} at {proxy.down - base} of {size} bytes")
-            {"cut": proxy.cut, "pause": lambda: proxy.pause(hold), "trickle": lambda: proxy.trickle(1)}[what]()
-            if what == "pause":
-                time.sleep(hold)
+    def inject(who, i, attempt, data):
+        """Called by the host's sender before each chunk: the fleet-wide ones go out in order,
+        the re-sends to the device after them."""
+        if who != dev and attempt == 1 and i in (n // 3, 2 * n // 3):
+            if i == n // 3:  # once the agent has most of the chunks before it: a cut mid-transfer
+                deadline = time.monotonic() + 30
+                while proxy.down < 0.8 * i * CHUNK and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                proxy.cut()
+            else:  # once the agent is back from the cut and has asked for what it lost: a second outage
+                rec.wait_for(lambda m: m.topic == f"tandoor/{dev}/update/need" and m.json().get("reconnected"), 30,
+                             "the need after the cut")
+                proxy.pause(hold)
+                held_until[0] = time.monotonic() + hold
+            faults.append(f"{'cut' if i == n // 3 else 'pause'} at chunk {i} of {n}")
+        elif who == dev and time.monotonic() > held_until[0] and len(faults) == 2:
+            proxy.trickle(1)
+            faults.append(f"trickle at the re-send of chunk {i}")
+        return data
 
     try:
         with Recorder(broker.port, f"tandoor/{dev}/#") as rec:
             a = start_agent(wd, dev, cfg, rec)
             try:
-                th = threading.Thread(target=inject, daemon=True)
-                th.start()
-                out = deploy(broker.port, big, [dev], job_id="job-flaky", timeout=300)
-                th.join(60)
+                out = deploy(broker.port, big, [dev], job_id="job-flaky", timeout=300, chunk_hook=inject)
                 assert out["devices"][dev]["state"] == "committed", (out, faults)
                 assert len(faults) == 3 and proxy.cuts >= 1, faults
                 # the host saw the final ack; our own subscriber may get it a moment later (and
