@@ -78,6 +78,7 @@ class Keyring:
         self.installed = installed
         self._st = _empty()
         self.recovered: dict[str, Any] | None = None  # what load() had to repair, for status and telemetry
+        self._retired_issued: dict[str, float] = {}   # when each retirement was issued (replay floor)
 
     @property
     def _path(self) -> Path:
@@ -98,6 +99,8 @@ class Keyring:
             st = record.read(self._path)
             if st is not None and not _sound(st):
                 raise record.Damaged("not a keyring (added/retired missing)")
+            if st is None and (retired or any(self.dir.glob("*.pub.pem"))):  # it existed: lost, not new
+                raise record.Damaged("it is missing, but keys were added or retired here")
         except record.Damaged as e:
             damage = f"{KEYRING}: {e}"
             prev = record.previous(self._path)
@@ -128,7 +131,7 @@ class Keyring:
     def _retired_records(self) -> dict[str, str | None]:
         """fingerprint -> PEM (None when its record is damaged: the name alone keeps it retired)."""
         out: dict[str, str | None] = {}
-        self._retired_issued: dict[str, float] = {}
+        self._retired_issued = {}
         d = self.dir / RETIRED
         for p in sorted(d.glob("*.json")) if d.is_dir() else ():
             fp = p.stem
