@@ -248,10 +248,8 @@ def test_the_disk_filling_during_the_health_gate_rolls_back_and_the_next_deploy_
                 st = assert_committed_state(sd, sha(B["v1"]))
                 assert st["slots"]["b"]["state"] == "bad", st["slots"]["b"]
                 filler.unlink()
-                t0 = time.monotonic()
                 out = deploy(broker.port, B["v3"], [dev], job_id="job-after-fill", timeout=60)["devices"][dev]
-                assert out["state"] == "committed", out
-                assert time.monotonic() - t0 < 30
+                assert out["state"] == "committed", out   # not refused "busy", within the deploy's 60 s
                 running_sha(rec, dev, sha(B["v3"]))
                 assert not tracebacks(a.output()), a.output()[-3000:]
             finally:

@@ -264,7 +264,9 @@ def test_broker_restart_mid_transfer_resumes_in_seconds(devs, broker, B):
     finally:
         proxy.close()
     assert box["devices"]["u2"]["state"] == "committed", box
-    assert took < 12, f"{took:.1f} s from the host's return to the commit"
+    # The old host waited for its pre-restart chunks to be 30 s old before it answered a need:
+    # 58-66 s measured; now it resends at once (1.3 s quiet). The bound leaves room for a loaded CI.
+    assert took < 25, f"{took:.1f} s from the host's return to the commit"
     needs = [m for m in rec.on("tandoor/u2/update/need") if m.t >= t_back and m.json()["job_id"] == "job-v4"]
     assert needs and needs[0].json()["n_missing"] < n, "resumed: asked only for what was missing"
     running_sha(rec, "u2", sha(B["v4"]), 90)
