@@ -82,6 +82,19 @@ def test_verify_matches_onnxruntime_on_golden_and_random_uint8_inputs(compiled, 
     assert report["ok"] and [c["kind"] for c in report["cases"]].count("random") == 3
 
 
+def test_verify_on_images_preprocesses_them_as_the_device_does_and_agrees_with_onnxruntime(compiled, tmp_path):
+    from PIL import Image
+
+    src, out = compiled
+    for name in ("astronaut", "coffee", "chelsea"):
+        Image.fromarray(image(name)).save(tmp_path / f"{name}.png")
+    res = run_cli("tandoor", "verify", str(out), "--reference", str(src), "--images", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stdout[-1500:] + res.stderr[-800:]
+    report = json.loads(res.stdout)
+    assert report["ok"] and report["images"] == 3 and report["top1_agreement"] == 1.0
+    assert report["outputs"][0]["cosine_min"] > 0.99999
+
+
 def _onnxruntime(src: Path, x: np.ndarray) -> np.ndarray:
     sess = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     return sess.run(None, {"image": x})[0]
