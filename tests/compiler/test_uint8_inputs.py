@@ -95,6 +95,24 @@ def test_verify_on_images_preprocesses_them_as_the_device_does_and_agrees_with_o
     assert report["outputs"][0]["cosine_min"] > 0.99999
 
 
+def test_quantize_calibrates_a_uint8_input_on_uint8_frames_and_the_int8_bundle_agrees_with_fp32(compiled, tmp_path):
+    from PIL import Image
+
+    from support.detectors import IMAGES
+
+    src, _ = compiled
+    for name in IMAGES:
+        Image.fromarray(image(name)).save(tmp_path / f"{name}.png")
+    q, out = tmp_path / "camera.int8.onnx", tmp_path / "camera.int8.hmod"
+    run_cli("tandoor", "quantize", str(src), "--calibration", str(tmp_path), "-o", str(q), "--bgr", check=True)
+    run_cli("tandoor", "compile", str(q), "-o", str(out), "--bgr", "-q", check=True)
+    assert manifest_of(out)["inputs"][0]["dtype"] == "uint8"
+    res = run_cli("tandoor", "verify", str(out), "--reference", str(src), "--images", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stdout[-1500:] + res.stderr[-800:]
+    report = json.loads(res.stdout)
+    assert report["ok"] and report["images"] == len(IMAGES) and report["top1_agreement"] >= 0.9
+
+
 def _onnxruntime(src: Path, x: np.ndarray) -> np.ndarray:
     sess = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     return sess.run(None, {"image": x})[0]
