@@ -154,6 +154,26 @@ def test_the_serve_pipeline_feeds_video_frames_as_uint8_and_matches_onnxruntime(
             module.close()
 
 
+def test_uint8_ops_before_the_cast_stay_in_tvm_and_the_bundle_matches_onnxruntime(tmp_path):
+    """tf2onnx's order: the uint8 NHWC image transposed to NCHW first, then cast; ACL's kernels are float."""
+    N = helper.make_node
+    m = camera_model()
+    g = m.graph
+    del g.node[:4]
+    g.node.insert(0, N("Transpose", ["image"], ["t8"], perm=[0, 3, 1, 2]))
+    g.node.insert(1, N("Cast", ["t8"], ["f"], to=TensorProto.FLOAT))
+    g.node.insert(2, N("Div", ["f", "d"], ["t"]))
+    g.initializer.append(numpy_helper.from_array(np.array(255.0, np.float32), "d"))
+    res, out = _compile(tmp_path, m, "--policy", "all")
+    assert res.returncode == 0, res.stderr[-1500:]
+    man = manifest_of(out)
+    assert any(o["op"] == "permute_dims" and "uint8" in o["reason"] for o in man["tvm_ops"])
+    assert any(p["delegate"] and "nn.conv2d" in p["ops"] for p in man["partitions"])
+    for delegate in ("onnxruntime", "tvm"):
+        v = run_cli("tandoor", "verify", str(out), "--reference", str(tmp_path / "m.onnx"), "--delegate", delegate)
+        assert v.returncode == 0, v.stdout[-1500:]
+
+
 def _compile(tmp: Path, m, *args: str):
     src, out = tmp / "m.onnx", tmp / "m.hmod"
     src.write_bytes(m.SerializeToString())
