@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx
 
-from tandoor_contract import hmod
+from tandoor_contract import hmod, media
 
 from . import normalise
 from .errors import CompileError
@@ -98,6 +98,18 @@ def _check_ops_importable(model: onnx.ModelProto, path: Path) -> None:
         raise CompileError(f"{path.name}: op(s) {', '.join(unknown)} can be run by neither TVM nor ACL; {hint}")
 
 
+# Model inputs are images (contract/media.INPUT_DTYPES: float32, or uint8 pixels the graph
+# normalises); why each other dtype is refused, for the one-line refusal.
+_IDS = ("integer ids (tokens, indices) are not images; Tandoor compiles models whose inputs are images, "
+        "float32 or uint8 pixels")
+REFUSED_INPUT_DTYPES = {
+    "int8": "an int8 input is a quantized tensor, not camera pixels; export the model with a float32 or uint8 input "
+            "(quantization inside the graph, as tandoor quantize writes it)",
+    "int32": _IDS, "int64": _IDS,
+}
+_OTHER_DTYPE = "Tandoor compiles float32 or uint8 (camera pixel) inputs; export the model with a float32 input"
+
+
 def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> LoadedModel:
     """Read, check and normalise (compiler/normalise.py STEPS) an ONNX model with its inputs
     pinned: what TVM imports and the golden pairs run on."""
@@ -112,9 +124,10 @@ def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> Loa
     for vi in folded.graph.input:
         if vi.name in inits:
             continue
-        dt = ONNX_DTYPES.get(vi.type.tensor_type.elem_type, str(vi.type.tensor_type.elem_type))
-        if dt != "float32":
-            raise CompileError(f"input '{vi.name}' is {dt}; Tandoor compiles float32 models for now (export the model in fp32)")
+        elem = vi.type.tensor_type.elem_type
+        dt = ONNX_DTYPES.get(elem) or onnx.TensorProto.DataType.Name(elem).lower()
+        if dt not in media.INPUT_DTYPES:
+            raise CompileError(f"input '{vi.name}' is {dt}: {REFUSED_INPUT_DTYPES.get(dt, _OTHER_DTYPE)}")
         inputs.append(TensorSpec(vi.name, [int(d) for d in normalise.dims_of(vi)], dt))
     outputs = []
     for vi in folded.graph.output:

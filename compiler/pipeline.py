@@ -86,12 +86,20 @@ def _tandoor_version() -> str:
         return "0"
 
 
-def _preprocess(opts: Options, shape: list[int]) -> dict | None:
-    """The manifest's preprocess entry for the first input (of ``shape``)."""
+def _preprocess(opts: Options, shape: list[int], dtype: str = "float32") -> dict | None:
+    """The manifest's preprocess entry for the first input (of ``shape`` and ``dtype``)."""
     if opts.mean is None and opts.std is None and not opts.bgr and opts.resize == "stretch" \
             and opts.pixel_range is None:
         return None
     layout = opts.layout or media.guess_layout(shape)
+    if media.raw_pixels(dtype):   # the graph normalises: only the geometry and colour order are ours
+        given = [f for f, v in (("--mean", opts.mean), ("--std", opts.std), ("--pixel-range", opts.pixel_range))
+                 if v is not None]
+        if given:
+            raise CompileError(f"{' and '.join(given)} cannot apply: the model's input is {dtype}, raw pixels 0..255 that "
+                               "the model normalises inside its graph (Cast, then Sub/Mul/Div); drop them")
+        return media.preprocess_entry(resize=opts.resize, align=opts.letterbox_align, pad_value=opts.pad_value,
+                                      scale=1.0, bgr=opts.bgr, layout=layout)
     chans = shape[1 if layout == "NCHW" else -1]
     mean = opts.mean or [0.0] * chans
     std = opts.std or [1.0] * chans
@@ -136,7 +144,7 @@ def _media(opts: Options, inputs: list[dict], members: dict) -> dict:
     return {
         "inputs": [{**i, "layout": (opts.layout or media.guess_layout(i["shape"])) if len(i["shape"]) == 4 else None}
                    for i in inputs],
-        "preprocess": _preprocess(opts, inputs[0]["shape"]) if inputs else None,
+        "preprocess": _preprocess(opts, inputs[0]["shape"], inputs[0]["dtype"]) if inputs else None,
         "postprocess": _postprocess(opts),
         "labels": "labels.txt" if opts.labels else None,
     }

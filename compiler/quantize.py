@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from tandoor_contract import durable
+from tandoor_contract import durable, probe
 
 from . import frontend, normalise
 from .errors import CompileError
@@ -72,6 +72,11 @@ def _calibrate_method(method: str):
     return table[method]
 
 
+def _feed_dtype(a: np.ndarray) -> np.dtype:
+    """uint8 camera pixels stay uint8 (the model casts them: contract/media.INPUT_DTYPES); floats are float32."""
+    return np.dtype(np.uint8) if np.asarray(a).dtype == np.uint8 else np.dtype(np.float32)
+
+
 class _Reader:
     """onnxruntime's CalibrationDataReader over the caller's samples, counting them as the
     calibrator consumes each (its progress is this progress: one inference per sample)."""
@@ -93,7 +98,7 @@ class _Reader:
         self.seen += 1
         if self.progress:
             self.progress(self.seen, self.total)
-        feed = {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in zip(self.names, arrays)}
+        feed = {n: np.ascontiguousarray(a, dtype=_feed_dtype(a)) for n, a in zip(self.names, arrays)}
         if len(self.kept) < self.keep and (self.seen - 1) % max(1, self.total // self.keep) == 0:
             self.kept.append(feed)     # spread over the source: its first frames may be alike
         return feed
@@ -376,7 +381,8 @@ def tolerance(loaded: frontend.LoadedModel) -> dict | None:
     rng = np.random.default_rng(20261213)
     spread = dict.fromkeys(steps, 0.0)
     for _ in range(TOLERANCE_SAMPLES):
-        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in loaded.inputs}
+        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) if i.dtype == "float32"
+                 else probe.random_input(rng, i.as_dict()) for i in loaded.inputs}   # uint8 pixels: every code
         for name, a, b in zip(steps, fused.run(None, feeds), plain.run(None, feeds)):
             if np.isfinite(steps[name]) and steps[name] > 0:
                 d = float(np.abs(np.asarray(a, np.float64) - b).max(initial=0.0)) / steps[name]

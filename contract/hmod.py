@@ -59,6 +59,9 @@ __all__ = [
 
 # 2: golden inputs may be generated (``{"inputs": "probe", "seed": k}``) instead of stored: a
 # detector's two 640x480 noise images were half of CenterFace's bundle. Readers take 1 and 2.
+# A uint8 model input (raw pixels the graph normalises) needs no new version: every format-2 reader
+# makes its golden inputs as uint8 codes (probe.inputs) and feeds it the frame's pixels as they are
+# (tests/agent/test_uint8_readers.py reads such a manifest as the agent does).
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"

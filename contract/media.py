@@ -43,6 +43,18 @@ def guess_layout(shape) -> str:
     return "NHWC" if len(s) == 4 and s[3] in (1, 3) and s[1] not in (1, 3) else "NCHW"
 
 
+#: the dtypes a model input may have, each with how a frame becomes it: float32 is normalised as
+#: ``preprocess`` says; uint8 is the resized pixels as they are (TF/MediaPipe exports cast and
+#: normalise inside the graph), so mean/std/scale never apply to it
+INPUT_DTYPES = {"float32": "pixels normalised as the manifest's preprocess says",
+                "uint8": "raw pixels 0..255; the model normalises them in its graph"}
+
+
+def raw_pixels(dtype: str) -> bool:
+    """Whether an input of ``dtype`` takes the frame's pixels as they are (no mean/std/scale)."""
+    return dtype == "uint8"
+
+
 class MediaError(TandoorError, ValueError):
     exit_code = 2
     kind = "media"

@@ -50,6 +50,18 @@ def inputs(order: Mapping, seed: int = 0) -> list[np.ndarray]:
     return out
 
 
+def random_input(rng: np.random.Generator, spec: Mapping, lo: float = -2.0, hi: float = 2.0) -> np.ndarray:
+    """Random values an input of ``spec`` (shape, dtype) can take, for checks that need no fixed
+    bits: every code of an integer dtype (a uint8 image's 0..255; noise cast to it would wrap), else
+    uniform in [lo, hi)."""
+    shape = tuple(int(d) for d in spec["shape"])
+    dtype = np.dtype(spec.get("dtype", "float32"))
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    return rng.uniform(lo, hi, shape).astype(dtype)
+
+
 def _uniform(z: np.ndarray) -> np.ndarray:
     """[0, 1) from each uint64 by splitmix64's finaliser (53 bits, exact in float64)."""
     z = z * np.uint64(0x9E3779B97F4A7C15)

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tandoor_contract import orders
+from tandoor_contract import orders, probe
 
 ACCELERATED = ("CpuAcc", "GpuAcc")
 
@@ -314,7 +314,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
     rounds = rounds or max(4, runs // 3)
     model = frontend.load(model_path, list(input_specs))
     rng = np.random.default_rng(20261129)
-    inputs = [rng.standard_normal(i.shape).astype(i.dtype) for i in model.inputs]
+    inputs = [probe.random_input(rng, i.as_dict()) for i in model.inputs]
     if executors:
         unknown = set(executors) - set(orders.EXECUTORS)
         if unknown:

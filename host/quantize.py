@@ -101,7 +101,7 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
     opts = pipeline.Options(mean=_floats(mean, "--mean"), std=_floats(std, "--std"), layout=layout, bgr=bgr,
                             resize=resize, letterbox_align=letterbox_align, pad_value=pad_value,
                             pixel_range=pixel_range)
-    return pipeline._preprocess(opts, list(inputs[0].shape))
+    return pipeline._preprocess(opts, list(inputs[0].shape), inputs[0].dtype)
 
 
 @click.command()

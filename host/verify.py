@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import hmod
+from tandoor_contract import hmod, probe
 from tandoor_agent.run.runtime import HybridModule
 
 
@@ -68,7 +68,7 @@ def verify(bundle_path: str | Path, reference: str | Path, delegate: str = "onnx
             cases = [("golden", ins) for ins, _ in bundle.golden()]
             rng = np.random.default_rng(7)
             for _ in range(random_inputs):
-                cases.append(("random", [rng.uniform(-2, 2, i["shape"]).astype(np.float32) for i in m["inputs"]]))
+                cases.append(("random", [probe.random_input(rng, i) for i in m["inputs"]]))
             results = []
             worst_abs = worst_rel = 0.0
             all_ok = True

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import durable, hmod, orders
+from tandoor_contract import durable, hmod, orders, probe
 from tandoor_contract import profile as facts
 from tandoor_contract.profile import PROFILE_VERSION
 
@@ -176,7 +176,7 @@ def _measure_model(bundle, executors, runs, warmup, rng, progress) -> dict:
     delegate calls)."""
     from . import runtime
 
-    inputs = [rng.standard_normal(i["shape"]).astype(i["dtype"]) for i in bundle.manifest["inputs"]]
+    inputs = [probe.random_input(rng, i) for i in bundle.manifest["inputs"]]
     out: dict = {}
     for kind in executors:
         if kind == "armnn":

@@ -94,6 +94,12 @@ def check_inputs(manifest: dict, inputs: list[np.ndarray]) -> None:
             raise RuntimeError_(f"input {spec['name']} must have shape {spec['shape']}, got {list(a.shape)}")
         if not np.can_cast(a.dtype, spec["dtype"], "same_kind"):
             raise RuntimeError_(f"input {spec['name']} must be {spec['dtype']}, got {a.dtype}")
+        want = np.dtype(spec["dtype"])
+        if want.kind in "iu" and a.dtype != want and a.size:   # uint16 -> uint8 would wrap, silently
+            info = np.iinfo(want)
+            if a.min() < info.min or a.max() > info.max:
+                raise RuntimeError_(f"input {spec['name']} is {want} ({info.min}..{info.max}); the {a.dtype} values "
+                                    f"given span {a.min()}..{a.max()}")
 
 
 

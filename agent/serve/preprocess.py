@@ -140,9 +140,10 @@ class Preprocessor:
         self.mean = np.broadcast_to(mean, (self.channels,)).copy()
         self.std = np.broadcast_to(std, (self.channels,)).copy()
         self.scale = scale
-        if self.dtype == np.uint8:
+        if media.raw_pixels(self.dtype.name):
             if given and not (np.all(self.mean == 0) and np.all(self.std * self.scale == 1)):
-                raise ValueError("a uint8 input takes raw pixels; the manifest's mean/std cannot be applied to it")
+                raise ValueError("a uint8 input takes raw pixels (the model normalises them in its graph); the "
+                                 "manifest's mean/std cannot be applied to it")
             self._raw = True
         elif self.dtype.kind == "f":
             self._raw = False

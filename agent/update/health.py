@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tandoor_contract import durable, hmod
+from tandoor_contract import durable, hmod, probe
 from .. import failpoints
 from ..run import executors
 
@@ -113,7 +113,7 @@ def _inputs_from_manifest(manifest: dict[str, Any], rng: np.random.Generator) ->
     out = []
     for spec in manifest.get("inputs") or ():
         shape = [d if isinstance(d, int) and d > 0 else 1 for d in spec.get("shape") or ()]
-        out.append(_random_like(rng, np.zeros(shape, dtype=spec.get("dtype", "float32"))))
+        out.append(probe.random_input(rng, {"shape": shape, "dtype": spec.get("dtype", "float32")}, -1.0, 1.0))
     return out
 
 
