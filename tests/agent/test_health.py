@@ -85,8 +85,10 @@ def test_tampered_golden_outputs_fail_the_self_test(B, keys):
         assert b.verified
     rep = health_check(B["bad_golden"], [keys["k1.pub"]], delegate=DELEGATE, frames=4)
     assert not rep.ok and rep.golden_ok is False
-    assert re.match(r"golden self-test failed: max abs err 0\.31\d* > atol 0\.001 \(rtol 0\.001; pair 0 output 0",
-                    rep.reason), rep.reason
+    # the contract's rule (tandoor_contract.agreement): the output, the path, its tolerance and why
+    assert re.match(r"golden self-test failed: pair 0: output \S+ on the onnxruntime path: max abs err 0\.31\d* "
+                    r"exceeds its tolerance \(atol 0\.001, rtol 0\.001: fp32 upstream, .*element 3: ", rep.reason), rep.reason
+    assert rep.path == "onnxruntime"
     assert rep.golden_max_abs_err == pytest.approx(0.31, abs=1e-3)
     assert rep.frames == 0  # no point timing a model that answers wrong
 
@@ -148,7 +150,7 @@ def test_isolated_check_agrees_with_the_in_process_one(B, keys):
     assert rep.ok and rep.golden_ok and rep.frames == 5, rep
     pub = hmod.load_public_key(keys["k1.pub"])  # a key object is handed to the child as a PEM file
     rep = health_check_isolated(B["bad_golden"], [pub], delegate=DELEGATE, frames=2, timeout_s=300)
-    assert not rep.ok and rep.reason.startswith("golden self-test failed: max abs err 0.31")
+    assert not rep.ok and rep.reason.startswith("golden self-test failed: pair 0: output ") and "max abs err 0.31" in rep.reason
 
 
 def test_the_cli(B, keys):

@@ -1,0 +1,323 @@
+"""What the bundle's check needs to know about each model output, from the ONNX graph and
+onnxruntime's run of it: the tolerance the compiler promises (the manifest's ``tolerance``) and
+which elements a tie makes arbitrary (each golden pair's ``ties``). The rule that applies both is
+tandoor_contract.agreement; `tandoor verify` calls :func:`ties` on its random inputs too.
+
+Tolerance. Two correct fp32 programs differ by rounding, and how much depends on the model:
+- the summation order of a reduction of length L (a conv's Cin*kh*kw, a MatMul's K, a global pool's
+  H*W): TVM's untuned loops add one term after another (error growing like L * u, u = 2^-24),
+  onnxruntime and ACL add in blocks (like sqrt(L) * u);
+- fp16 anywhere upstream: u = 2^-11 there;
+- the output's scale: an error relative to the values, so the largest |value| on the golden pairs;
+  through a squashing op (Sigmoid, Softmax, Tanh, HardSigmoid) the error of its input, times the
+  op's steepest slope, can be no larger than the op's range. A Softmax over logits of 7e9 (onnx's
+  own placeholder-weights SqueezeNet: every weight 0.02) is decided by rounding alone: fp32 resolves
+  such logits to 512, so its outputs may be anything in [0, 1] and are promised as such.
+Per output and path: ``atol = max(0.001, SAFETY * rel * scale)`` with ``rel`` the path's growth
+(``tvm``: L * u, every other path: sqrt(L) * u; the TVM-built rest of a hybrid module is counted
+on every path by the L * u of the ``tvm`` path only where no order is delegated), ``rtol`` 0.001.
+Never tighter than the 0.001/0.001 every bundle promised before.
+
+Ties. TopK's indices, and whatever is gathered with them, depend on which of equal scores comes
+first (onnxruntime and TVM order ties differently): rows of tied scores, or a tie between the
+k-th and the (k+1)-th score, may come in any order. ArgMax between equal maxima may name either.
+Those elements are listed as free: compared only for being finite.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from tandoor_contract import agreement
+
+U32, U16 = 2.0 ** -24, 2.0 ** -11
+SAFETY = 4.0                 # the measured differences stay under a quarter of the bound (tests)
+TIE_RTOL, TIE_ATOL = 1e-5, 1e-6   # scores this close are a tie: the paths' rounding can swap them
+
+# an op whose output is its input's values moved about: the output's scale is its input's
+MOVING = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "Concat",
+          "Expand", "Tile", "Gather", "GatherElements", "Split", "Cast", "Dropout"}
+# squashing op -> (steepest slope, range): its output error is at most slope * input error, capped
+SQUASH = {"Sigmoid": (0.25, 1.0), "Softmax": (1.0, 1.0), "Tanh": (1.0, 2.0), "HardSigmoid": (None, 1.0)}
+# ops that keep a TopK row where it is, with elementwise (right-aligned) broadcasting
+ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Mod", "Cast", "Floor", "Ceil", "Sigmoid", "Relu", "Neg", "Abs",
+               "Identity", "Clip", "Exp", "Log", "Sqrt", "Max", "Min"}
+
+
+@dataclass
+class Tie:
+    """An output whose rows (along ``axis``) follow a TopK's order, or whose elements name an
+    ArgMax's choice."""
+    output: str
+    kind: str                  # "topk" | "argmax"
+    node_input: str            # the scores (TopK/ArgMax input)
+    values: str                # TopK: its values output; ArgMax: its input
+    axis: int                  # TopK/ArgMax axis in its input
+    k: int = 0
+    largest: bool = True
+    out_axis: int = 0          # TopK: the row axis in the output
+    keepdims: bool = True
+
+
+@dataclass
+class Facts:
+    names: list[str]
+    reduction: dict[str, int]              # output -> longest reduction upstream
+    reduction_op: dict[str, str]
+    fp16: dict[str, bool]
+    scale_of: dict[str, tuple[str, str | None]]   # output -> (tensor whose |max| scales it, squash op)
+    ties: list[Tie] = field(default_factory=list)
+
+    @property
+    def extra(self) -> list[str]:
+        """Tensors beyond the outputs that onnxruntime must show (scales, scores of ties)."""
+        want = [t for t, _ in self.scale_of.values()]
+        for t in self.ties:
+            want += [t.node_input, t.values]
+        return [n for n in dict.fromkeys(want) if n not in self.names]
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def analyse(model: onnx.ModelProto) -> Facts:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    g = inferred.graph
+    shapes: dict[str, list[int | None]] = {}
+    types: dict[str, int] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        t = vi.type.tensor_type
+        types[vi.name] = t.elem_type
+        if t.HasField("shape"):
+            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    consts: dict[str, np.ndarray] = {}
+    for init in g.initializer:
+        types[init.name] = init.data_type
+        shapes[init.name] = list(init.dims)
+        if init.data_type == TensorProto.INT64 and math.prod(init.dims) <= 64:
+            consts[init.name] = numpy_helper.to_array(init)
+    producer = {o: n for n in g.node for o in n.output if o}
+
+    def length(n: onnx.NodeProto) -> int:
+        s = [shapes.get(i) for i in n.input]
+        known = lambda dims: dims is not None and all(d for d in dims)   # noqa: E731
+        op = n.op_type
+        if op in ("Conv", "ConvTranspose") and len(s) > 1 and known(s[1]):
+            return int(math.prod(s[1][1:]) if op == "Conv" else s[1][0] * math.prod(s[1][2:]))
+        if op in ("MatMul", "Gemm") and known(s[0]):
+            return int(s[0][-2] if op == "Gemm" and _attr(n, "transA", 0) else s[0][-1])
+        if op in ("GlobalAveragePool", "GlobalLpPool", "InstanceNormalization") and known(s[0]):
+            return int(math.prod(s[0][2:]))
+        if op in ("AveragePool", "LpPool"):
+            return int(math.prod(_attr(n, "kernel_shape", [1])))
+        if op.startswith("Reduce") and op not in ("ReduceMax", "ReduceMin") and known(s[0]):
+            axes = _attr(n, "axes") or (list(consts[n.input[1]]) if len(n.input) > 1 and n.input[1] in consts else None)
+            return int(math.prod(s[0][a] for a in axes) if axes else math.prod(s[0]))
+        if op in ("Softmax", "LogSoftmax", "LayerNormalization") and known(s[0]):
+            ax = int(_attr(n, "axis", -1))
+            return int(math.prod(s[0][ax:]) if op == "LayerNormalization" else s[0][ax])
+        return 1
+
+    red: dict[str, tuple[int, str]] = {}
+    f16: dict[str, bool] = {i.name: i.data_type == TensorProto.FLOAT16 for i in g.initializer}
+    for n in g.node:       # the normaliser sorts the graph: producers come first
+        up = max([red.get(i, (1, "")) for i in n.input if i] + [(1, "")])
+        mine = (length(n), n.op_type)
+        half = any(f16.get(i, False) or types.get(i) == TensorProto.FLOAT16 for i in n.input if i) \
+            or (n.op_type == "Cast" and _attr(n, "to") == TensorProto.FLOAT16)
+        for o in n.output:
+            red[o] = max(up, mine)
+            f16[o] = half or types.get(o) == TensorProto.FLOAT16
+
+    def scale(name: str) -> tuple[str, str | None]:
+        seen = name
+        for _ in range(64):
+            n = producer.get(seen)
+            if n is None or n.op_type not in MOVING:
+                break
+            seen = n.input[0]
+        n = producer.get(seen)
+        if n is not None and n.op_type in SQUASH:
+            return n.input[0], n.op_type
+        return name, None
+
+    names = [o.name for o in g.output]
+    return Facts(names=names, reduction={o: red.get(o, (1, ""))[0] for o in names},
+                 reduction_op={o: red.get(o, (1, ""))[1] for o in names},
+                 fp16={o: f16.get(o, False) for o in names}, scale_of={o: scale(o) for o in names},
+                 ties=_ties(g, producer, shapes, names))
+
+
+def _ties(g: onnx.GraphProto, producer: dict, shapes: dict, names: Sequence[str]) -> list[Tie]:
+    """Outputs that follow a TopK's order (through ops that keep its rows) or an ArgMax's choice."""
+    out = []
+    for name in names:
+        tie = _trace(name, producer, shapes)
+        if tie is not None:
+            tie.output = name
+            out.append(tie)
+    return out
+
+
+def _rank(shapes: dict, name: str) -> int | None:
+    s = shapes.get(name)
+    return None if s is None else len(s)
+
+
+def _trace(name: str, producer: dict, shapes: dict, depth: int = 0) -> Tie | None:
+    """The Tie whose rows ``name`` follows, with its row axis in ``name``; None when it follows
+    none (or through ops this does not follow)."""
+    n = producer.get(name)
+    if n is None or depth > 32:
+        return None
+    r = _rank(shapes, name)
+    if n.op_type == "TopK" and name == n.output[1]:
+        rank = _rank(shapes, n.input[0]) or 1
+        axis = int(_attr(n, "axis", -1)) % rank
+        k = (shapes.get(name) or [None] * rank)[axis]
+        return Tie("", "topk", n.input[0], n.output[0], axis, int(k or 0), bool(_attr(n, "largest", 1)), axis)
+    if n.op_type in ("ArgMax", "ArgMin"):
+        rank = _rank(shapes, n.input[0]) or 1
+        return Tie("", n.op_type.lower(), n.input[0], n.input[0], int(_attr(n, "axis", 0)) % rank,
+                   keepdims=bool(_attr(n, "keepdims", 1)))
+    if r is None:
+        return None
+    if n.op_type in ("Gather", "GatherElements") and len(n.input) > 1:
+        tie = _trace(n.input[1], producer, shapes, depth + 1)
+        if tie is None or tie.kind != "topk":
+            return None
+        gax = int(_attr(n, "axis", 0)) % (_rank(shapes, n.input[0]) or 1)
+        tie.out_axis = gax + tie.out_axis if n.op_type == "Gather" else tie.out_axis
+        return tie
+    if n.op_type in ELEMENTWISE or n.op_type == "Unsqueeze" and _rank(shapes, n.input[0]) is not None:
+        for i in n.input:
+            tie = _trace(i, producer, shapes, depth + 1) if i else None
+            ri = _rank(shapes, i) if i else None
+            if tie is not None and tie.kind == "topk" and ri is not None:
+                if n.op_type == "Unsqueeze":   # axes appended after the row keep it where it is
+                    return tie if r - ri >= 0 and all(s is not None for s in shapes.get(name, [])) and \
+                        shapes[name][tie.out_axis] == shapes[i][tie.out_axis] else None
+                tie.out_axis += r - ri
+                return tie
+    return None
+
+
+def scales(facts: Facts, runs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, float]:
+    """The largest |value| of each output's scaling tensor over onnxruntime's runs."""
+    out = {}
+    for o, (t, _) in facts.scale_of.items():
+        vals = [np.asarray(r[t]) for r in runs if t in r]
+        out[o] = max((float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0)) for v in vals
+                      if np.issubdtype(v.dtype, np.floating)), default=0.0)
+    return out
+
+
+def promise(facts: Facts, runs: Sequence[Mapping[str, np.ndarray]]) -> dict:
+    """The manifest's ``tolerance`` (see the module doc) from the facts and onnxruntime's runs."""
+    base = agreement.DEFAULT
+    sc = scales(facts, runs)
+    outputs = {}
+    for o in facts.names:
+        u = U16 if facts.fp16[o] else U32
+        L = facts.reduction[o]
+        t, squash = facts.scale_of[o]
+        slope, cap = SQUASH.get(squash, (1.0, math.inf))
+        slope = 1.0 if slope is None else slope
+        paths = {}
+        for path in ("onnxruntime", "armnn", "tvm"):
+            rel = u * (L if path == "tvm" else math.sqrt(L))
+            err = min(cap, SAFETY * rel * slope * sc[o])
+            paths[path] = {"atol": float(max(base["atol"], err)), "rtol": base["rtol"]}
+        why = (f"{'fp16' if facts.fp16[o] else 'fp32'} upstream, longest reduction {L}"
+               + (f" ({facts.reduction_op[o]})" if L > 1 else "")
+               + (f", {squash} of values up to {sc[o]:.3g}" if squash else f", values up to {sc[o]:.3g}"))
+        if squash and paths["onnxruntime"]["atol"] >= cap:
+            why += f": rounding alone decides this {squash}, any value in its range is right"
+        loosest = max(p["atol"] for p in paths.values())
+        outputs[o] = {"atol": loosest, "rtol": base["rtol"], "why": why, "paths": paths}
+    return {"atol": max([base["atol"]] + [e["atol"] for e in outputs.values()]), "rtol": base["rtol"],
+            "outputs": outputs}
+
+
+def ties(facts: Facts, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """{output: flat indices a tie makes arbitrary} for one run (``values``: onnxruntime's outputs
+    and :attr:`Facts.extra` by name); outputs without such elements are left out."""
+    out = {}
+    for t in facts.ties:
+        if t.output not in values or t.node_input not in values:
+            continue
+        shape = np.shape(values[t.output])
+        if t.kind == "topk":
+            free = _topk_free(np.asarray(values[t.node_input], np.float64), t)
+            if free is None:
+                continue
+            if math.prod(free.shape[:-1]) == 1:      # one set of rows: broadcast over the other axes
+                if not 0 <= t.out_axis < len(shape) or shape[t.out_axis] != free.shape[-1]:
+                    continue
+                rows = [1] * len(shape)
+                rows[t.out_axis] = free.shape[-1]
+                mask = np.broadcast_to(free.reshape(rows), shape)
+            elif np.moveaxis(free, -1, t.out_axis).shape == tuple(shape):
+                mask = np.moveaxis(free, -1, t.out_axis)
+            else:
+                continue
+        else:
+            x = np.asarray(values[t.node_input], np.float64)
+            best = x.max(axis=t.axis, keepdims=True) if t.kind == "argmax" else x.min(axis=t.axis, keepdims=True)
+            near = np.abs(x - best) <= TIE_ATOL + TIE_RTOL * np.abs(best)
+            mask = near.sum(axis=t.axis, keepdims=t.keepdims) > 1
+            if mask.size != math.prod(shape):
+                continue
+        idx = np.flatnonzero(mask.reshape(-1))
+        if idx.size:
+            out[t.output] = idx.astype(np.int64)
+    return out
+
+
+def _topk_free(x: np.ndarray, t: Tie) -> np.ndarray | None:
+    """Per TopK row position (the last axis of the result), whether a tie makes it
+    arbitrary: its score ties with a neighbour's, or the k-th score ties with the (k+1)-th."""
+    x = np.moveaxis(x, t.axis, -1)
+    if t.k <= 0 or t.k > x.shape[-1]:
+        return None
+    s = -np.sort(-x, axis=-1) if t.largest else np.sort(x, axis=-1)
+    s = s[..., : t.k + 1]
+    close = np.abs(np.diff(s, axis=-1)) <= TIE_ATOL + TIE_RTOL * np.abs(s[..., 1:])   # (.., k) pairs j, j+1
+    free = np.zeros(s.shape, bool)
+    free[..., :-1] |= close
+    free[..., 1:] |= close
+    return free[..., : t.k]
+
+
+class Reference:
+    """onnxruntime on the model, showing :attr:`Facts.extra` beside the outputs: ``run`` gives the
+    outputs, and ``last`` every shown tensor by name (for :func:`ties` and :func:`promise`)."""
+
+    def __init__(self, model: onnx.ModelProto, facts: Facts | None = None):
+        import onnxruntime as ort
+
+        self.facts = facts or analyse(model)
+        shown = onnx.ModelProto()
+        shown.CopyFrom(model)
+        for name in self.facts.extra:
+            shown.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        self.session = ort.InferenceSession(shown.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        self.names = [o.name for o in self.session.get_outputs()]
+        self.last: dict[str, np.ndarray] = {}
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        got = self.session.run(None, dict(feeds))
+        self.last = dict(zip(self.names, (np.asarray(a) for a in got)))
+        return [self.last[n] for n in self.facts.names]
