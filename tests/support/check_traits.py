@@ -1,0 +1,71 @@
+"""Tiny generated models (onnx.helper) with the traits that made the compile's self-check and
+`tandoor verify` disagree (issue 29): many equal scores into TopK (and an ArgMax between equal
+maxima), a reduction over a long span, placeholder weights that drive a Softmax's logits to 1e9."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+
+def _save(g: onnx.GraphProto, path: Path) -> Path:
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def _const(name: str, a) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(a), name)
+
+
+def topk_ties(path: Path, n: int = 64, k: int = 16, ceiling: float = 1.0) -> Path:
+    """scores = min(x, ceiling): on unit-variance noise ~16% of 64 scores tie at 1.0; TopK(k) of
+    them, the indices, and x gathered by them (a detector's boxes follow its scores so)."""
+    nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["s"]),
+             helper.make_node("TopK", ["s", "k"], ["vals", "idx"], axis=1),
+             helper.make_node("GatherElements", ["x", "idx"], ["picked"], axis=1)]
+    g = helper.make_graph(nodes, "topk_ties", [helper.make_tensor_value_info("x", T.FLOAT, [1, n])],
+                          [helper.make_tensor_value_info("vals", T.FLOAT, [1, k]),
+                           helper.make_tensor_value_info("idx", T.INT64, [1, k]),
+                           helper.make_tensor_value_info("picked", T.FLOAT, [1, k])],
+                          [_const("lo", np.float32(-100)), _const("hi", np.float32(ceiling)),
+                           _const("k", np.array([k], np.int64))])
+    return _save(g, path)
+
+
+def argmax_ties(path: Path) -> Path:
+    """The class map of min(x, 0.5) over 4 channels: where two channels reach 0.5, either is right."""
+    nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["s"]),
+             helper.make_node("ArgMax", ["s"], ["cls"], axis=1, keepdims=0)]
+    g = helper.make_graph(nodes, "argmax_ties", [helper.make_tensor_value_info("x", T.FLOAT, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("cls", T.INT64, [1, 8, 8])],
+                          [_const("lo", np.float32(-100)), _const("hi", np.float32(0.5))])
+    return _save(g, path)
+
+
+def long_mean(path: Path, hw: int = 256) -> Path:
+    """mean(x + 10) - 10 over hw*hw pixels: a sum of 65536 values near 10, cancelled to near 0."""
+    nodes = [helper.make_node("Add", ["x", "ten"], ["xp"]), helper.make_node("GlobalAveragePool", ["xp"], ["m"]),
+             helper.make_node("Sub", ["m", "ten"], ["y"])]
+    g = helper.make_graph(nodes, "long_mean", [helper.make_tensor_value_info("x", T.FLOAT, [1, 4, hw, hw])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 4, 1, 1])], [_const("ten", np.float32(10))])
+    return _save(g, path)
+
+
+def placeholder_softmax(path: Path, layers: int = 10, ch: int = 64) -> Path:
+    """A conv stack whose every weight is 0.02 (as onnx's light_* test models): each layer multiplies
+    the values by 0.02 * 9 * ch, every class's logit is the same, and a Softmax over them."""
+    nodes, inits, prev, cin = [], [], "x", 3
+    for i in range(layers):
+        inits.append(_const(f"w{i}", np.full((ch, cin, 3, 3), 0.02, np.float32)))
+        nodes += [helper.make_node("Conv", [prev, f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        prev, cin = f"r{i}", ch
+    nodes += [helper.make_node("GlobalAveragePool", [prev], ["gap"]), helper.make_node("Flatten", ["gap"], ["logits"]),
+              helper.make_node("Softmax", ["logits"], ["prob"], axis=1)]
+    g = helper.make_graph(nodes, "placeholder_softmax", [helper.make_tensor_value_info("x", T.FLOAT, [1, 3, 16, 16])],
+                          [helper.make_tensor_value_info("prob", T.FLOAT, [1, ch])], inits)
+    return _save(g, path)
