@@ -77,6 +77,7 @@ class Facts:
     fp16: dict[str, bool]
     scale_of: dict[str, tuple[str, str | None]]   # output -> (tensor whose |max| scales it, squash op)
     ties: list[Tie] = field(default_factory=list)
+    given: set[str] = field(default_factory=set)    # graph inputs and initializers: not computed
 
     @property
     def extra(self) -> list[str]:
@@ -84,7 +85,7 @@ class Facts:
         want = [t for t, _ in self.scale_of.values()] + list(self.reduced.values())
         for t in self.ties:
             want += [t.node_input, t.values]
-        return [n for n in dict.fromkeys(want) if n not in self.names]
+        return [n for n in dict.fromkeys(want) if n not in self.names and n not in self.given]
 
 
 def _attr(node: onnx.NodeProto, name: str, default=None):
@@ -95,8 +96,10 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
 
 
 def analyse(model: onnx.ModelProto) -> Facts:
-    inferred = onnx.shape_inference.infer_shapes(model)
-    g = inferred.graph
+    try:
+        g = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:    # (a model over 2 GB, an op onnx cannot infer) the shapes the file states
+        g = model.graph
     shapes: dict[str, list[int | None]] = {}
     types: dict[str, int] = {}
     for vi in list(g.input) + list(g.value_info) + list(g.output):
@@ -161,7 +164,8 @@ def analyse(model: onnx.ModelProto) -> Facts:
                  reduction_op={o: v[1] for o, v in longest.items()},
                  reduced={o: v[2] or o for o, v in longest.items()},
                  fp16={o: f16.get(o, False) for o in names}, scale_of={o: scale(o) for o in names},
-                 ties=_ties(g, producer, shapes, names))
+                 ties=_ties(g, producer, shapes, names),
+                 given={i.name for i in g.input} | {i.name for i in g.initializer})
 
 
 def _ties(g: onnx.GraphProto, producer: dict, shapes: dict, names: Sequence[str]) -> list[Tie]:
@@ -320,5 +324,5 @@ class Reference:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         got = self.session.run(None, dict(feeds))
-        self.last = dict(zip(self.names, (np.asarray(a) for a in got)))
+        self.last = {**{k: np.asarray(v) for k, v in feeds.items()}, **dict(zip(self.names, (np.asarray(a) for a in got)))}
         return [self.last[n] for n in self.facts.names]
