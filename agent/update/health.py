@@ -9,7 +9,8 @@ A bundle is healthy when it
 5. has a p95 latency over those frames within the budget (when one is given).
 
 The first failing check gives ``reason`` as one line, e.g. ``golden self-test failed: pair 0: output
-logits on the onnxruntime path: max abs err 0.31 exceeds its tolerance (atol 0.001, rtol 0.001; ...)`` or ``p95 latency 52.1 ms over budget 40 ms``.
+logits on the onnxruntime path: max abs err 0.31 exceeds its tolerance (atol 0.001, rtol 0.001;
+...)`` or ``p95 latency 52.1 ms over budget 40 ms``.
 
 :func:`health_check` runs in this process. A native library can crash or hang the process that
 loads a bad model, so the gate uses :func:`health_check_isolated`, which runs
@@ -177,7 +178,8 @@ def health_check(bundle_path: str | os.PathLike, trusted_keys: Iterable[hmod.Key
                 problem = f"golden self-test failed: pair {k} raised: {_one_line(e)}"
                 break
             verdict = agreement.compare(outs, wants, m, path, ties[k] if k < len(ties) else None)
-            worst = max(worst, verdict.max_abs_err)
+            if math.isfinite(verdict.max_abs_err):    # a shape or non-finite miss has no number (JSON has no inf)
+                worst = max(worst, verdict.max_abs_err)
             if not verdict.ok:
                 problem = f"golden self-test failed: pair {k}: {verdict.reason}"
                 break

@@ -93,6 +93,19 @@ def test_tampered_golden_outputs_fail_the_self_test(B, keys):
     assert rep.frames == 0  # no point timing a model that answers wrong
 
 
+def test_a_golden_output_of_another_shape_fails_in_one_line_with_a_json_report(B, keys, tmp_path):
+    def longer(man, members):
+        name = man["golden"][1]["outputs"][0]
+        out = np.load(io.BytesIO(members[name]), allow_pickle=False)
+        members[name] = npy(np.concatenate([out.reshape(-1), [0.5]]).astype(out.dtype))
+    bundle = rewrite(B["good"], tmp_path / "longer.hmod", longer, keys["k1"])
+    rep = health_check(bundle, [keys["k1.pub"]], delegate=DELEGATE, frames=0)
+    assert not rep.ok and re.fullmatch(r"golden self-test failed: pair 1: output \S+ has shape \[.*\], the reference "
+                                       r"\[\d+\]", rep.reason), rep.reason
+    assert rep.golden_max_abs_err is not None and rep.golden_max_abs_err < 1e-3   # pair 0's, a number
+    json.dumps(rep.to_dict(), allow_nan=False)
+
+
 def test_latency_over_budget_fails(B, keys):
     rep = health_check(B["good"], [keys["k1.pub"]], delegate=DELEGATE, latency_budget_ms=0.001, frames=5)
     assert not rep.ok and rep.golden_ok
