@@ -226,7 +226,7 @@ def _largest(runs: Sequence[Mapping[str, np.ndarray]], tensor: str) -> float:
     """The largest finite |value| of ``tensor`` over onnxruntime's runs (0 for none)."""
     vals = [np.asarray(r[tensor]) for r in runs if tensor in r]
     return max((float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0)) for v in vals
-                if np.issubdtype(v.dtype, np.floating)), default=0.0)
+                if np.issubdtype(v.dtype, np.number)), default=0.0)
 
 
 def promise(facts: Facts, runs: Sequence[Mapping[str, np.ndarray]]) -> dict:
