@@ -112,6 +112,7 @@ def test_the_placeholder_squeezenet_is_accepted_by_both_and_says_why(squeezenet)
     assert logits > 1e9
     v = run_cli("tandoor", "verify", str(out), "--reference", str(model), "--random", "2")
     assert v.returncode == 0 and "PASS" in v.stdout, v.stdout
+    assert "tolerance of softmaxout_1: atol 1, rtol 0.001 (fp32 upstream" in run_cli("tandoor", "inspect", str(out)).stdout
 
 
 def test_the_squeezenet_judged_by_the_old_single_tolerance_fails_naming_output_and_path(squeezenet, tmp_path):
