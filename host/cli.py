@@ -346,14 +346,19 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
             click.echo("warning: the reference is not the file this bundle was compiled from (sha256 differs)", err=True)
         for c in res["cases"]:
             tied = f"  ({c['tied']} tied, not compared)" if c.get("tied") else ""
-            click.echo(f"  {c['kind']:7s} {c['delegate']:11s} {c['path'] or '-':11s} max abs {c['max_abs_err']:.3g}  "
-                       f"max rel {c['max_rel_err']:.3g}  {'ok' if c['ok'] else 'FAIL'}{tied}")
+            nums = "  ".join(f"max {w} {'-' if c[k] is None else format(c[k], '.3g')}"
+                             for w, k in (("abs", "max_abs_err"), ("rel", "max_rel_err")))
+            click.echo(f"  {c['kind']:7s} {c['delegate']:11s} {c['path'] or '-':11s} {nums}  "
+                       f"{'ok' if c['ok'] else 'FAIL'}{tied}")
         for r in res["runs"]:
             for s in r["executors"]:
                 click.echo(f"  {r['delegate']}: {s['symbol']}: {s['executor']} ({s['backend']})")
         verdict = "PASS" if res["ok"] else "FAIL"
-        click.echo(f"{verdict}: max abs err {res['max_abs_err']:.3g}, max rel err {res['max_rel_err']:.3g} "
-                   f"(atol {res['atol']:.3g}, rtol {res['rtol']:.3g}; per output in the manifest's tolerance)")
+        if all(c["max_abs_err"] is None for c in res["cases"]):
+            click.echo(f"{verdict}: the bundle did not run")
+        else:
+            click.echo(f"{verdict}: max abs err {res['max_abs_err']:.3g}, max rel err {res['max_rel_err']:.3g} "
+                       f"(atol {res['atol']:.3g}, rtol {res['rtol']:.3g}; per output in the manifest's tolerance)")
         if res["reason"]:
             click.echo(f"first miss: {res['reason']}")
     sys.exit(0 if res["ok"] else 1)

@@ -109,16 +109,18 @@ def verify(bundle_path: str | Path, reference: str | Path, delegate: str | None 
         subgraphs = described if subgraphs is None else subgraphs
         for k, (kind, _) in enumerate(cases):
             if outs is None:
-                results.append({"kind": kind, "delegate": d, "path": None, "max_abs_err": float("inf"),
-                                "max_rel_err": float("inf"), "ok": False, "reason": why})
+                results.append({"kind": kind, "delegate": d, "path": None, "max_abs_err": None,
+                                "max_rel_err": None, "ok": False, "reason": why})
                 continue
             v = agreement.compare(outs[k], wants[k], m, path, free[k])
-            results.append({"kind": kind, "delegate": d, "path": path, "max_abs_err": v.max_abs_err,
-                            "max_rel_err": _rel(outs[k], wants[k], top.atol), "ok": v.ok, "reason": v.reason,
+            rel = _rel(outs[k], wants[k], top.atol)
+            results.append({"kind": kind, "delegate": d, "path": path,   # no number for a shape or non-finite miss
+                            "max_abs_err": v.max_abs_err if np.isfinite(v.max_abs_err) else None,
+                            "max_rel_err": rel if np.isfinite(rel) else None, "ok": v.ok, "reason": v.reason,
                             "tied": v.free})
     return {
-        "max_abs_err": max((c["max_abs_err"] for c in results), default=0.0),
-        "max_rel_err": max((c["max_rel_err"] for c in results), default=0.0),
+        "max_abs_err": max((c["max_abs_err"] for c in results if c["max_abs_err"] is not None), default=0.0),
+        "max_rel_err": max((c["max_rel_err"] for c in results if c["max_rel_err"] is not None), default=0.0),
         "ok": all(c["ok"] for c in results),
         "reason": next((f"{c['kind']} input, {c['delegate']} executors: {c['reason']}" for c in results
                         if not c["ok"]), None),

@@ -32,6 +32,7 @@ def _check_then_verify(model: Path, out: Path, *extra: str) -> tuple[object, dic
                 check=True)
     v = run_cli("tandoor", "verify", str(out), "--reference", str(model), "--random", "2", "--json")
     assert v.returncode in (0, 1), v.stderr
+    assert "Infinity" not in v.stdout and "NaN" not in v.stdout     # strict JSON, even when nothing ran
     return check, json.loads(v.stdout), v
 
 
