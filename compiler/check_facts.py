@@ -50,7 +50,9 @@ MOVING = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity",
 SQUASH = {"Sigmoid": (0.25, 1.0), "Softmax": (1.0, 1.0), "Tanh": (1.0, 2.0), "HardSigmoid": (None, 1.0)}
 # ops that keep a TopK row where it is, with elementwise (right-aligned) broadcasting
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Mod", "Cast", "Floor", "Ceil", "Sigmoid", "Relu", "Neg", "Abs",
-               "Identity", "Clip", "Exp", "Log", "Sqrt", "Max", "Min"}
+               "Identity", "Clip", "Exp", "Log", "Sqrt", "Max", "Min", "Expand"}
+# ops that only add or drop axes of 1 around a TopK row (when the shapes say so)
+RESHAPING = {"Unsqueeze", "Squeeze", "Reshape", "Flatten"}
 
 
 @dataclass
@@ -209,17 +211,34 @@ def _trace(name: str, producer: dict, shapes: dict, depth: int = 0) -> Tie | Non
         gax = int(_attr(n, "axis", 0)) % (_rank(shapes, n.input[0]) or 1)
         tie.out_axis = gax + tie.out_axis if n.op_type == "Gather" else tie.out_axis
         return tie
-    if n.op_type in ELEMENTWISE or n.op_type == "Unsqueeze" and _rank(shapes, n.input[0]) is not None:
+    if n.op_type in RESHAPING:
+        tie = _trace(n.input[0], producer, shapes, depth + 1)
+        if tie is None or tie.kind != "topk":
+            return None
+        axis = _same_row(shapes.get(n.input[0]), shapes.get(name), tie.out_axis)
+        if axis is None:
+            return None
+        tie.out_axis = axis
+        return tie
+    if n.op_type in ELEMENTWISE:
         for i in n.input:
             tie = _trace(i, producer, shapes, depth + 1) if i else None
             ri = _rank(shapes, i) if i else None
             if tie is not None and tie.kind == "topk" and ri is not None:
-                if n.op_type == "Unsqueeze":   # axes appended after the row keep it where it is
-                    return tie if r - ri >= 0 and all(s is not None for s in shapes.get(name, [])) and \
-                        shapes[name][tie.out_axis] == shapes[i][tie.out_axis] else None
-                tie.out_axis += r - ri
+                tie.out_axis += r - ri     # broadcasting aligns the last axes
                 return tie
     return None
+
+
+def _same_row(before: list | None, after: list | None, axis: int) -> int | None:
+    """Where axis ``axis`` of a tensor shaped ``before`` is once reshaped to ``after``, when the
+    reshape only adds or drops axes of 1 (Squeeze, Unsqueeze, a Reshape/Flatten of that kind)."""
+    if not before or not after or None in before or None in after or not 0 <= axis < len(before):
+        return None
+    if [d for d in before if d != 1] != [d for d in after if d != 1] or before[axis] == 1:
+        return None
+    nth = sum(1 for d in before[:axis] if d != 1)
+    return [j for j, d in enumerate(after) if d != 1][nth]
 
 
 def _largest(runs: Sequence[Mapping[str, np.ndarray]], tensor: str) -> float:

@@ -65,6 +65,22 @@ def test_tied_topk_rows_are_free_and_the_rest_compared(tmp_path, k):
         assert not bad.ok and bad.reason.startswith("output vals on the tvm path")
 
 
+def test_boxes_taken_by_tied_indices_through_squeeze_unsqueeze_expand_are_free_by_row(tmp_path):
+    facts, runs, manifest = _runs(check_traits.detector_tail(tmp_path / "d.onnx"))
+    assert sorted((t.output, t.out_axis) for t in facts.ties) == [("boxes", 0), ("boxes3", 1)]
+    for x, want, seen in runs:
+        vals, order, _ = _topk_numpy(x[0], 16, 1.0)
+        b = x[1][0]
+        got = [vals, b[order[0]], b[order[0]][None]]
+        s = np.sort(np.minimum(x[0][0], 1.0))[::-1][:17]
+        rows = [j for j in range(16) if s[j] == s[j + 1] or (j and s[j] == s[j - 1])]
+        free = check_facts.ties(facts, seen)
+        flat = sorted(4 * j + c for j in rows for c in range(4))
+        assert free["boxes"].tolist() == flat and free["boxes3"].tolist() == flat
+        assert agreement.compare(got, want, manifest, "tvm", free).ok
+        assert agreement.compare(got, want, manifest, "tvm").reason.startswith("output boxes on the tvm path")
+
+
 def test_an_argmax_between_equal_maxima_may_name_either(tmp_path):
     facts, runs, manifest = _runs(check_traits.argmax_ties(tmp_path / "a.onnx"))
     for x, want, seen in runs:

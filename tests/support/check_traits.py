@@ -82,3 +82,23 @@ def placeholder_softmax(path: Path, layers: int = 10, ch: int = 64) -> Path:
     g = helper.make_graph(nodes, "placeholder_softmax", [helper.make_tensor_value_info("x", T.FLOAT, [1, 3, 16, 16])],
                           [helper.make_tensor_value_info("prob", T.FLOAT, [1, ch])], inits)
     return _save(g, path)
+
+
+def detector_tail(path: Path, n: int = 64, k: int = 16) -> Path:
+    """A detector's tail: TopK(k) of min(x, 1), then boxes b [1, n, 4] taken by the indices two
+    ways: squeezed and Gather (-> [k, 4]), and unsqueezed, expanded and GatherElements (-> [1, k, 4])."""
+    nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["s"]),
+             helper.make_node("TopK", ["s", "k"], ["vals", "idx"], axis=1),
+             helper.make_node("Squeeze", ["idx", "zero"], ["idx1"]), helper.make_node("Squeeze", ["b", "zero"], ["b1"]),
+             helper.make_node("Gather", ["b1", "idx1"], ["boxes"], axis=0),
+             helper.make_node("Unsqueeze", ["idx", "two"], ["idx3"]), helper.make_node("Expand", ["idx3", "wide"], ["idx4"]),
+             helper.make_node("GatherElements", ["b", "idx4"], ["boxes3"], axis=1)]
+    g = helper.make_graph(nodes, "detector_tail", [helper.make_tensor_value_info("x", T.FLOAT, [1, n]),
+                                                   helper.make_tensor_value_info("b", T.FLOAT, [1, n, 4])],
+                          [helper.make_tensor_value_info("vals", T.FLOAT, [1, k]),
+                           helper.make_tensor_value_info("boxes", T.FLOAT, [k, 4]),
+                           helper.make_tensor_value_info("boxes3", T.FLOAT, [1, k, 4])],
+                          [_const("lo", np.float32(-100)), _const("hi", np.float32(1.0)), _const("k", np.array([k], np.int64)),
+                           _const("zero", np.array([0], np.int64)), _const("two", np.array([2], np.int64)),
+                           _const("wide", np.array([1, k, 4], np.int64))])
+    return _save(g, path)
