@@ -98,6 +98,7 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
 
 
 def analyse(model: onnx.ModelProto) -> Facts:
+    """The facts of each graph output (see the module doc) from the graph alone."""
     try:
         g = onnx.shape_inference.infer_shapes(model).graph
     except Exception:    # (a model over 2 GB, an op onnx cannot infer) the shapes the file states
