@@ -38,15 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import durable, hmod, media, probe
+from tandoor_contract import agreement, durable, hmod, media, probe
 
 from . import cache as cache_mod
-from . import frontend, order_onnx, quantize
+from . import check_facts, frontend, order_onnx, quantize
 from . import profile as profile_mod
 from . import targets as targets_mod
 from .errors import CompileError, InternalError
 
-TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}   # fp32, as TVM's own ACL tests
 GOLDEN_PAIRS = 2
 
 
@@ -265,8 +264,9 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
         target_entries = _build(plan, fallbacks, tgts, members, say)
     say("recording golden input/output pairs with onnxruntime")
     with stage("golden", timings):
-        golden = _golden_members(loaded, members)
-    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, golden, model, members)
+        golden, tolerance = _golden_members(loaded, members)
+    manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, golden, model, members,
+                         tolerance)
     if ckey is not None:
         manifest["cache"] = {"key": ckey, "hit": False}
     with stage("golden", timings):   # a QDQ model: golden within quantization steps, not fp32's tolerance
@@ -409,9 +409,9 @@ def _measure_here(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say) -
     candidates = _partition(mod, loaded, opts, host, say, policy="all")
     members, parts_manifest, fallbacks = _codegen(candidates)
     target_entries = _build(candidates, fallbacks, host, members, say)
-    golden = _golden_members(loaded, members)
+    golden, tolerance = _golden_members(loaded, members)
     manifest = _manifest(loaded, opts, candidates, {"layout_transposes": 0}, parts_manifest, target_entries,
-                         golden, loaded.path, members)
+                         golden, loaded.path, members, tolerance)
     with tempfile.TemporaryDirectory(prefix="tandoor-measure-") as tmp:
         bundle, prof = Path(tmp) / "candidates.hmod", Path(tmp) / "profile.json"
         hmod.write_bundle(bundle, manifest, members)
@@ -501,40 +501,48 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
     return target_entries
 
 
-def _golden(model: frontend.LoadedModel, n: int) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
+def _golden(model: frontend.LoadedModel, n: int) -> tuple[list[tuple[list[np.ndarray], list[np.ndarray]]],
+                                                          list[dict[str, np.ndarray]], check_facts.Facts]:
+    """``n`` golden pairs from onnxruntime, each run's tensors the check needs to know about
+    (compiler/check_facts.py), and the model's facts."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
     try:
-        sess = ort.InferenceSession(model.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        facts = check_facts.analyse(model.proto)
+        ref = check_facts.Reference(model.proto, facts)
     except Exception as err:
         text = " ".join(str(err).split())
         raise CompileError(f"{model.path.name}: onnxruntime {ort.__version__} cannot run this model ({text[:240]}); "
                            "the bundle's golden pairs need it as the reference: export the model with ops and "
                            "opsets onnxruntime runs") from None
-    pairs = []
+    pairs, runs = [], []
     for k in range(n):   # the inputs are not stored: the device makes the same bits (hmod GENERATED)
         ins = probe.inputs({"inputs": [i.as_dict() for i in model.inputs]}, seed=k + 1)
         feeds = {i.name: a for i, a in zip(model.inputs, ins)}
-        outs = sess.run(None, feeds)
-        pairs.append(([feeds[i.name] for i in model.inputs], [np.asarray(o) for o in outs]))
-    return pairs
+        pairs.append(([feeds[i.name] for i in model.inputs], ref.run(feeds)))
+        runs.append(ref.last)
+    return pairs, runs, facts
 
 
-def _golden_members(loaded: frontend.LoadedModel, members: dict) -> list[dict]:
+def _golden_members(loaded: frontend.LoadedModel, members: dict) -> tuple[list[dict], dict]:
+    """The manifest's golden entries (outputs and the elements ties make arbitrary, as members) and
+    the tolerance the compiler promises (compiler/check_facts.py)."""
     golden = []
-    for k, (_, outs) in enumerate(_golden(loaded, GOLDEN_PAIRS)):
+    pairs, runs, facts = _golden(loaded, GOLDEN_PAIRS)
+    for k, ((_, outs), run) in enumerate(zip(pairs, runs)):
         g = {"inputs": hmod.GENERATED, "seed": k + 1, "outputs": []}
         for j, a in enumerate(outs):
             members[f"golden/output_{k}_{j}.npy"] = _npy(a)
             g["outputs"].append(f"golden/output_{k}_{j}.npy")
+        for j, (name, free) in enumerate(check_facts.ties(facts, run).items()):
+            members[f"golden/ties_{k}_{j}.npy"] = _npy(free)
+            g.setdefault("ties", {})[name] = f"golden/ties_{k}_{j}.npy"
         golden.append(g)
-    return golden
+    return golden, check_facts.promise(facts, runs)
 
 
 def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, target_entries, golden,
-              model, members: dict) -> dict:
+              model, members: dict, tolerance: dict) -> dict:
     import tvm
 
     result, kept = plan.result, plan.kept
@@ -562,7 +570,7 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
         "layout_transposes": facts["layout_transposes"],
         "golden": golden,
         "graph": report.graph_of(result.mod),
-        "tolerance": TOLERANCE,
+        "tolerance": tolerance,     # per output and path (tandoor_contract.agreement)
         "notes": loaded.notes,
     }
 
@@ -578,7 +586,7 @@ _CHECK = ("import json, sys\n"
           "from tandoor_agent.update.health import health_check\n"
           "print(json.dumps([health_check(sys.argv[1], delegate=d, frames=0).to_dict() for d in sys.argv[2:]], "
           "default=str))\n")
-CHECK_DELEGATES = ("auto", "tvm")
+CHECK_DELEGATES = agreement.CHECK_DELEGATES
 
 
 def _self_check(path: Path) -> None:

@@ -68,6 +68,8 @@ def print_summary(info: dict) -> None:
     if q := info.get("quantized"):   # an INT8 QDQ model (compiler/quantize.py)
         c.print(f"INT8 ({q['format']}, {', '.join(f'{k} x{v}' for k, v in q['ops'].items())}): computed in "
                 f"{q['compute']} (atol {info['tolerance']['atol']:.3g})")
+    for name, e in ((info.get("tolerance") or {}).get("outputs") or {}).items():   # the check's promise per output
+        c.print(f"tolerance of {name}: atol {e['atol']:.3g}, rtol {e['rtol']:.3g} ({e.get('why', '')})")
     t = Table(title="subgraphs")
     # the reasons are long sentences: beside the table only on a wide console, else listed below it
     wide = c.width >= 140

@@ -3,13 +3,14 @@
 A bundle is healthy when it
 1. opens and verifies (signature against the trusted keys, hashes, format, a lib for here),
 2. loads (every order gets an executor, the lib loads),
-3. reproduces its golden outputs within the manifest's tolerance (``|got - want| <= atol +
-   rtol * |want|`` everywhere, all finite),
+3. reproduces its golden outputs within the manifest's tolerance for each output on the path it
+   ran (tandoor_contract.agreement: the rule the compile's check and `tandoor verify` apply),
 4. runs N frames (golden and seeded random inputs) with no exception and no non-finite output,
 5. has a p95 latency over those frames within the budget (when one is given).
 
-The first failing check gives ``reason`` as one line, e.g. ``golden self-test failed: max abs err
-0.31 > atol 0.001`` or ``p95 latency 52.1 ms over budget 40 ms``.
+The first failing check gives ``reason`` as one line, e.g. ``golden self-test failed: pair 0: output
+logits on the onnxruntime path: max abs err 0.31 exceeds its tolerance (atol 0.001, rtol 0.001;
+...)`` or ``p95 latency 52.1 ms over budget 40 ms``.
 
 :func:`health_check` runs in this process. A native library can crash or hang the process that
 loads a bad model, so the gate uses :func:`health_check_isolated`, which runs
@@ -38,13 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from tandoor_contract import durable, hmod, probe
+from tandoor_contract import agreement, durable, hmod, probe
 from .. import failpoints
 from ..run import executors
 
 DEFAULT_FRAMES = 20
 DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}
 EXIT_UNHEALTHY = 4
 _RUNNING: set[subprocess.Popen] = set()  # isolated checks in progress (stop_running ends them)
 _ENDED: set[int] = set()                 # pids stop_running killed
@@ -65,6 +65,7 @@ class HealthReport:
     frames: int = 0                        # frames run (after the golden self-test)
     median_ms: float | None = None
     golden_pairs: int = 0
+    path: str | None = None                # the executors the golden pairs ran on (agreement.path_of)
     atol: float | None = None
     rtol: float | None = None
     latency_budget_ms: float | None = None
@@ -144,12 +145,12 @@ def health_check(bundle_path: str | os.PathLike, trusted_keys: Iterable[hmod.Key
             bundle.lib_for()
         except hmod.BundleError as e:
             return done(f"bundle refused: {e}")
-        tol = {**DEFAULT_TOLERANCE, **(m.get("tolerance") or {})}
-        atol, rtol = float(tol["atol"]), float(tol["rtol"])
-        rep.atol, rep.rtol = atol, rtol
+        top = agreement.tolerance(m.get("tolerance"), "", "")   # the bundle-wide pair, for the report
+        rep.atol, rep.rtol = top.atol, top.rtol
         try:
             golden = bundle.golden()
-        except (hmod.BundleError, ValueError) as e:
+            ties = agreement.golden_ties(bundle)
+        except (hmod.BundleError, ValueError, OSError) as e:
             return done(f"golden self-test failed: cannot read the golden pairs ({_one_line(e)})")
         rep.golden_pairs = len(golden)
         if not golden:
@@ -165,7 +166,9 @@ def health_check(bundle_path: str | os.PathLike, trusted_keys: Iterable[hmod.Key
         rep.load_s = round(time.perf_counter() - t_start, 3)
         describe = getattr(module, "describe", None)
 
-        # -- golden self-test
+        # -- golden self-test: the contract's comparison, with the promise for the path this run took
+        path = agreement.path_of(describe() if callable(describe) else [])
+        rep.path = path
         worst = 0.0
         problem = None
         for k, (ins, wants) in enumerate(golden):
@@ -174,27 +177,11 @@ def health_check(bundle_path: str | os.PathLike, trusted_keys: Iterable[hmod.Key
             except Exception as e:
                 problem = f"golden self-test failed: pair {k} raised: {_one_line(e)}"
                 break
-            if len(outs) != len(wants):
-                problem = f"golden self-test failed: pair {k} gave {len(outs)} output(s), expected {len(wants)}"
-                break
-            for j, (got, want) in enumerate(zip(outs, wants)):
-                got = np.asarray(got)
-                if got.size != want.size:
-                    problem = (f"golden self-test failed: output {j} has shape {list(got.shape)}, "
-                               f"golden {list(want.shape)}")
-                    break
-                got = got.reshape(want.shape).astype(np.float64)
-                want64 = want.astype(np.float64)
-                if not np.all(np.isfinite(got)):
-                    problem = f"golden self-test failed: pair {k} output {j} has non-finite values"
-                    break
-                diff = np.abs(got - want64)
-                worst = max(worst, float(diff.max()) if diff.size else 0.0)
-                if not np.all(diff <= atol + rtol * np.abs(want64)):
-                    i = int(np.argmax(diff - (atol + rtol * np.abs(want64))))
-                    problem = (f"golden self-test failed: max abs err {worst:.3g} > atol {atol:g} "
-                               f"(rtol {rtol:g}; pair {k} output {j}, worst element {i})")
-            if problem:
+            verdict = agreement.compare(outs, wants, m, path, ties[k] if k < len(ties) else None)
+            if math.isfinite(verdict.max_abs_err):    # a shape or non-finite miss has no number (JSON has no inf)
+                worst = max(worst, verdict.max_abs_err)
+            if not verdict.ok:
+                problem = f"golden self-test failed: pair {k}: {verdict.reason}"
                 break
         rep.golden_max_abs_err = worst
         rep.golden_ok = problem is None

@@ -85,10 +85,25 @@ def test_tampered_golden_outputs_fail_the_self_test(B, keys):
         assert b.verified
     rep = health_check(B["bad_golden"], [keys["k1.pub"]], delegate=DELEGATE, frames=4)
     assert not rep.ok and rep.golden_ok is False
-    assert re.match(r"golden self-test failed: max abs err 0\.31\d* > atol 0\.001 \(rtol 0\.001; pair 0 output 0",
-                    rep.reason), rep.reason
+    # the contract's rule (tandoor_contract.agreement): the output, the path, its tolerance and why
+    assert re.match(r"golden self-test failed: pair 0: output \S+ on the onnxruntime path: max abs err 0\.31\d* "
+                    r"exceeds its tolerance \(atol 0\.001, rtol 0\.001: fp32 upstream, .*element 3: ", rep.reason), rep.reason
+    assert rep.path == "onnxruntime"
     assert rep.golden_max_abs_err == pytest.approx(0.31, abs=1e-3)
     assert rep.frames == 0  # no point timing a model that answers wrong
+
+
+def test_a_golden_output_of_another_shape_fails_in_one_line_with_a_json_report(B, keys, tmp_path):
+    def longer(man, members):
+        name = man["golden"][1]["outputs"][0]
+        out = np.load(io.BytesIO(members[name]), allow_pickle=False)
+        members[name] = npy(np.concatenate([out.reshape(-1), [0.5]]).astype(out.dtype))
+    bundle = rewrite(B["good"], tmp_path / "longer.hmod", longer, keys["k1"])
+    rep = health_check(bundle, [keys["k1.pub"]], delegate=DELEGATE, frames=0)
+    assert not rep.ok and re.fullmatch(r"golden self-test failed: pair 1: output \S+ has shape \[.*\], the reference "
+                                       r"\[\d+\]", rep.reason), rep.reason
+    assert rep.golden_max_abs_err is not None and rep.golden_max_abs_err < 1e-3   # pair 0's, a number
+    json.dumps(rep.to_dict(), allow_nan=False)
 
 
 def test_latency_over_budget_fails(B, keys):
@@ -148,7 +163,7 @@ def test_isolated_check_agrees_with_the_in_process_one(B, keys):
     assert rep.ok and rep.golden_ok and rep.frames == 5, rep
     pub = hmod.load_public_key(keys["k1.pub"])  # a key object is handed to the child as a PEM file
     rep = health_check_isolated(B["bad_golden"], [pub], delegate=DELEGATE, frames=2, timeout_s=300)
-    assert not rep.ok and rep.reason.startswith("golden self-test failed: max abs err 0.31")
+    assert not rep.ok and rep.reason.startswith("golden self-test failed: pair 0: output ") and "max abs err 0.31" in rep.reason
 
 
 def test_the_cli(B, keys):

@@ -1,0 +1,131 @@
+"""When does a bundle's output agree with onnxruntime's? One rule, read by the compile's self-check,
+the device's health gate and `tandoor verify`, so that the three cannot disagree about a bundle.
+
+The manifest's ``tolerance`` is the compiler's promise. Bundles before 2026-12 hold one pair for
+every output (``{"atol": .., "rtol": ..}``); newer ones add, per output, the pair promised on each
+path (the executors that ran the delegated orders: ``onnxruntime``, ``armnn``, ``tvm``) and why::
+
+    "tolerance": {"atol": 0.004, "rtol": 0.001,          # the loosest: what old readers apply
+                  "outputs": {"maps": {"atol": 0.004, "rtol": 0.001, "why": "...",
+                                       "paths": {"tvm": {"atol": 0.004, "rtol": 0.001}}}}}
+
+An element agrees when ``|got - want| <= atol + rtol * |want|`` and ``got`` is finite. Elements a
+tie makes arbitrary (a TopK whose k-th score ties with the next, rows of tied scores taken in
+another order, an ArgMax between equal values) are ``free``: the compiler lists them per golden
+pair (its ``ties`` entry, flat indices per output) and they are only checked to be finite.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT = {"atol": 1e-3, "rtol": 1e-3}   # fp32, as TVM's own ACL tests: every output of an old bundle
+#: the executors the compile's self-check and `tandoor verify` run the delegated orders with: the
+#: device's own choice, and the TVM fallback it takes where Arm NN refuses an order
+CHECK_DELEGATES = ("auto", "tvm")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    why: str = ""
+
+    def text(self) -> str:
+        return f"atol {self.atol:.3g}, rtol {self.rtol:.3g}" + (f": {self.why}" if self.why else "")
+
+
+def tolerance(manifest_tolerance: Mapping | None, output: str, path: str) -> Tolerance:
+    """What the manifest promises for ``output`` on ``path``: its own entry's path pair, else its
+    entry, else the bundle-wide pair (an old bundle), else :data:`DEFAULT`."""
+    t = dict(manifest_tolerance or {})
+    top = {"atol": float(t.get("atol", DEFAULT["atol"])), "rtol": float(t.get("rtol", DEFAULT["rtol"]))}
+    entry = (t.get("outputs") or {}).get(output)
+    if not isinstance(entry, Mapping):
+        return Tolerance(**top)
+    pair = {**top, **{k: float(entry[k]) for k in ("atol", "rtol") if k in entry}}
+    on_path = (entry.get("paths") or {}).get(path)
+    if isinstance(on_path, Mapping):
+        pair.update({k: float(on_path[k]) for k in ("atol", "rtol") if k in on_path})
+    return Tolerance(pair["atol"], pair["rtol"], str((on_path or {}).get("why") or entry.get("why") or ""))
+
+
+def path_of(executors: Sequence[Mapping]) -> str:
+    """The path a run took, from the module's ``describe()`` (one entry per delegated order): the
+    TVM fallback when any order ran on it, else Arm NN when any did, else onnxruntime; no
+    delegated order at all is TVM alone."""
+    used = {str(e.get("executor")) for e in executors}
+    for name in ("tvm", "armnn", "onnxruntime"):
+        if name in used:
+            return name
+    return "tvm"
+
+
+@dataclass
+class Agreement:
+    ok: bool
+    max_abs_err: float = 0.0
+    reason: str | None = None      # one line naming the output, the path and the tolerance missed
+    free: int = 0                  # elements a tie makes arbitrary (not compared)
+
+
+def compare_output(got, want: np.ndarray, tol: Tolerance, name: str, path: str,
+                   free: np.ndarray | None = None) -> Agreement:
+    """One output against its reference (see the module doc)."""
+    got = np.asarray(got)
+    want = np.asarray(want)
+    if got.size != want.size:
+        return Agreement(False, float("inf"), f"output {name} has shape {list(got.shape)}, the reference "
+                                              f"{list(want.shape)}")
+    g = got.reshape(-1).astype(np.float64)
+    w = want.reshape(-1).astype(np.float64)
+    if not np.all(np.isfinite(g) | ~np.isfinite(w)):
+        return Agreement(False, float("inf"), f"output {name} has non-finite values on the {path} path")
+    keep = np.ones(w.size, bool)
+    if free is not None and len(free):
+        keep[np.asarray(free, np.int64)] = False
+    diff = np.where(keep, np.abs(g - w), 0.0)
+    diff[~np.isfinite(diff)] = 0.0           # inf == inf where the reference has it
+    worst = float(diff.max(initial=0.0))
+    over = diff - (tol.atol + tol.rtol * np.abs(w))
+    n_free = int(w.size - keep.sum())
+    if not np.any(over > 0):
+        return Agreement(True, worst, None, n_free)
+    i = int(np.argmax(over))
+    ties = f"; {n_free} tied element(s) not compared" if n_free else ""
+    return Agreement(False, worst, f"output {name} on the {path} path: max abs err {worst:.3g} exceeds its "
+                                   f"tolerance ({tol.text()}; element {i}: {g[i]:.6g} vs {w[i]:.6g}{ties})",
+                     n_free)
+
+
+def compare(outputs: Sequence, wants: Sequence[np.ndarray], manifest: Mapping, path: str,
+            free: Mapping[str, Sequence[int]] | None = None) -> Agreement:
+    """Every output of one run against the reference's, with the manifest's promise for each
+    (its ``outputs`` give the names, its ``tolerance`` the pairs); the first miss is the reason."""
+    if len(outputs) != len(wants):
+        return Agreement(False, float("inf"), f"{len(outputs)} output(s), the reference has {len(wants)}")
+    names = [str(o.get("name", j)) for j, o in enumerate(manifest.get("outputs") or ())]
+    names += [str(j) for j in range(len(names), len(wants))]
+    worst, n_free = 0.0, 0
+    for name, got, want in zip(names, outputs, wants):
+        a = compare_output(got, want, tolerance(manifest.get("tolerance"), name, path), name, path,
+                           None if free is None else free.get(name))
+        worst, n_free = max(worst, a.max_abs_err), n_free + a.free
+        if not a.ok:
+            return Agreement(False, worst, a.reason, n_free)
+    return Agreement(True, worst, None, n_free)
+
+
+def golden_ties(bundle) -> list[dict[str, np.ndarray]]:
+    """Per golden pair, {output name: flat indices a tie makes arbitrary} (the manifest's ``ties``
+    members; none in a bundle made before them)."""
+    out = []
+    for g in bundle.manifest.get("golden") or ():
+        ties = g.get("ties") or {}
+        out.append({name: np.load(io.BytesIO(bundle.read(member)), allow_pickle=False).reshape(-1)
+                    for name, member in ties.items()})
+    return out
