@@ -1,4 +1,4 @@
-"""The real models first tried for issue 29 (zoo/wild.py ISSUE29: recognisers with and without LSTM,
+"""The real models first tried for issue 29 (zoo/wild.py UNSEEN: recognisers with and without LSTM,
 a table decoder with a Loop, tf2onnx face and line detectors, a Siamese pair), end to end as a new
 user meets them: `tandoor compile` for host + aarch64 (its self-check must pass: no --no-check),
 `tandoor verify` against onnxruntime, and `tandoor-agent run` (the agent's runtime-only process)
@@ -24,7 +24,7 @@ from board.boards import assert_matches
 from support.cli import compiled, manifest_of, run_cli
 from tandoor_zoo import wild
 
-NAMES = list(wild.ISSUE29)
+NAMES = list(wild.UNSEEN)
 
 #: the photograph each model sees and the value range its own preprocessing maps pixels to
 INPUTS = {
