@@ -15,7 +15,7 @@ import pytest
 from support.cli import compiled, manifest_of, run_cli
 from tandoor_zoo import wild
 
-MODELS = sorted(set(wild.MODELS) - set(wild.UNSEEN))  # those: tests/host/test_wild_new.py
+MODELS = sorted(set(wild.MODELS) - set(wild.UNSEEN))  # those: tests/host/test_unseen_models.py
 
 
 def wild_bundle(name: str, bundles_dir):
