@@ -314,9 +314,10 @@ def test_a_resize_with_sizes_and_an_empty_scales_compiles_at_its_own_opset(tmp_p
     assert _bundle_vs_file(out, src, "auto") < 1e-4
 
 
-def _converted_fp16() -> onnx.ModelProto:
+def _converted_fp16(keep_io_types: bool = True) -> onnx.ModelProto:
     """A small CNN through onnxruntime's copy of onnxconverter-common's float16 converter, as a user
-    converts a model: inputs and outputs kept fp32, Sigmoid blocked (an fp32 island between Casts)."""
+    converts a model: inputs and outputs kept fp32 (or fp16 too), Sigmoid blocked (an fp32 island
+    between Casts)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     m = _model([N("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["r1"]),
@@ -324,7 +325,7 @@ def _converted_fp16() -> onnx.ModelProto:
                 N("Mul", ["c2", "s"], ["y"])],
                {"x": [1, 3, 16, 16]}, {"y": [1, 8, 16, 16]},
                {"w1": _w(8, 3, 3, 3), "b1": _w(8), "w2": _w(8, 8, 3, 3, scale=0.1), "b2": _w(8)}, opset=13)
-    return convert_float_to_float16(m, keep_io_types=True, op_block_list=["Sigmoid"])
+    return convert_float_to_float16(m, keep_io_types=keep_io_types, op_block_list=["Sigmoid"])
 
 
 def test_an_fp16_converted_unsorted_model_compiles_in_fp32_and_matches_the_file_as_shipped(tmp_path):
@@ -344,3 +345,12 @@ def test_an_fp16_converted_unsorted_model_compiles_in_fp32_and_matches_the_file_
     for delegate in ("auto", "tvm"):
         # the drift recorded is the bundle's distance from the fp16 file on the golden inputs
         assert _bundle_vs_file(out, src, delegate) <= fp16["max_abs_vs_fp16"] + 1e-4
+
+
+def test_an_fp16_model_with_fp16_inputs_and_outputs_is_an_fp32_bundle(tmp_path):
+    m = _converted_fp16(keep_io_types=False)
+    assert m.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    src, out, man = _compile_and_verify(tmp_path, "io16", m)
+    assert man["fp16"]["fp16_io"] == ["x", "y"] and man["fp16"]["max_abs_vs_fp16"] < 1e-2
+    assert [i["dtype"] for i in man["inputs"] + man["outputs"]] == ["float32", "float32"]
+    assert any("fp16 inputs/outputs x, y are fp32 in the bundle" in n for n in man["notes"])
