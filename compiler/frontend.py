@@ -42,6 +42,7 @@ class LoadedModel:
     outputs: list[TensorSpec]
     notes: list[str] = field(default_factory=list)
     overwritten: bool = False         # --input replaced a static dim of the model's input
+    fp16: dict | None = None          # fp16 parts computed in fp32 (normalise.fp16_to_fp32)
 
 
 def parse_input_specs(specs: list[str] | tuple[str, ...]) -> dict[str, list[int]]:
@@ -55,7 +56,9 @@ def parse_input_specs(specs: list[str] | tuple[str, ...]) -> dict[str, list[int]
     return out
 
 
-def _read_model(path: Path) -> onnx.ModelProto:
+def _read_model(path: Path, ctx: normalise.Context | None = None) -> onnx.ModelProto:
+    """The model read, its nodes sorted (normalise.sort_nodes: the checker refuses unsorted ones),
+    and checked; a refusal quotes onnx's whole message."""
     if not path.is_file():
         raise CompileError(f"{path}: no such file; give the path of an .onnx model")
     if hmod.is_bundle(path):
@@ -69,11 +72,11 @@ def _read_model(path: Path) -> onnx.ModelProto:
         ) from None
     if not model.graph.node:
         raise CompileError(f"{path}: not a readable ONNX model (no graph nodes); is the file truncated or of another format?")
+    normalise.sort_nodes(model, ctx or normalise.Context(path, {}))
     try:
         onnx.checker.check_model(model)
     except Exception as err:
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CompileError(f"{path}: invalid ONNX model: {msg}") from None
+        raise CompileError(f"{path}: invalid ONNX model: {normalise.one_line(err)}") from None
     return model
 
 
@@ -114,10 +117,10 @@ def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> Loa
     """Read, check and normalise (compiler/normalise.py STEPS) an ONNX model with its inputs
     pinned: what TVM imports and the golden pairs run on."""
     path = Path(path)
-    model = _read_model(path)
+    ctx = normalise.Context(path, parse_input_specs(input_specs))
+    model = _read_model(path, ctx)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     _check_ops_importable(model, path)
-    ctx = normalise.Context(path, parse_input_specs(input_specs))
     folded = normalise.normalise(model, ctx)
     inits = {i.name for i in folded.graph.initializer}
     inputs = []
@@ -137,4 +140,4 @@ def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> Loa
     if name in ("main_graph", "torch_jit", "torch-jit-export", ""):
         name = path.stem
     return LoadedModel(path, sha, re.sub(r"[^A-Za-z0-9_]", "_", name), folded, inputs, outputs, ctx.notes,
-                       ctx.overwritten)
+                       ctx.overwritten, ctx.fp16)

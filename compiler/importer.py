@@ -8,6 +8,8 @@ ones that emit plain Relax ops (and restored after, even on error):
     Pad (opset >= 11)    constant mode -> relax.nn.pad (topi's pad as call_tir otherwise)
     Max / Min / Sum / Mean  of non-constant tensors -> pairwise maximum / minimum / add (/ n)
                          (broadcast_to + stack + reduce otherwise)
+    Resize               an empty roi/scales/sizes constant (opsets 11-12's "not given") as none
+                         (TVM asserts that only one of scales and sizes is given)
 """
 
 from __future__ import annotations
@@ -84,11 +86,24 @@ def _pairwise(original):
     return impl
 
 
+def _resize(original):
+    import tvm
+    from tvm.relax.frontend.onnx.onnx_frontend import onnx_input
+
+    def impl(cls, bb, inputs, attr, params):
+        # opsets 11-12 write an absent roi/scales as an empty tensor (the input is required there)
+        given = [None if k and isinstance(e, tvm.ir.GenericConst) and e.value.numpy().size == 0 else e
+                 for k, e in enumerate(inputs)]
+        return original.__func__(cls, bb, onnx_input(given), attr, params)
+
+    return impl
+
+
 def _overrides():
     """(converter class, method name, replacement factory) for every swapped converter."""
     from tvm.relax.frontend.onnx import onnx_frontend as fe
 
-    out = [(fe.Clip, "_impl_v13", _clip)]
+    out = [(fe.Clip, "_impl_v13", _clip), (fe.Resize, "_impl_v18", _resize)]
     for v in ("_impl_v11", "_impl_v18", "_impl_v19", "_impl_v21", "_impl_v23"):
         if v in vars(fe.Pad):
             out.append((fe.Pad, v, _pad))

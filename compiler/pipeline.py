@@ -571,6 +571,7 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
         "golden": golden,
         "graph": report.graph_of(result.mod),
         "tolerance": tolerance,     # per output and path (tandoor_contract.agreement)
+        **({"fp16": loaded.fp16} if loaded.fp16 else {}),    # what was fp16, now fp32, and the drift
         "notes": loaded.notes,
     }
 
