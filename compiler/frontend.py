@@ -19,7 +19,7 @@ from tandoor_contract import hmod
 from . import normalise
 from .errors import CompileError
 
-ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 6: "int32", 7: "int64", 9: "bool", 10: "float16", 11: "float64"}
+ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64", 9: "bool", 10: "float16", 11: "float64"}
 
 
 @dataclass
@@ -42,6 +42,9 @@ class LoadedModel:
     outputs: list[TensorSpec]
     notes: list[str] = field(default_factory=list)
     overwritten: bool = False         # --input replaced a static dim of the model's input
+    # the escape hatch (compiler/hatch.py): what TVM imports when some nodes go to onnxruntime
+    tvm_proto: onnx.ModelProto | None = None
+    hatch: list = field(default_factory=list)
 
 
 def parse_input_specs(specs: list[str] | tuple[str, ...]) -> dict[str, list[int]]:
@@ -77,34 +80,12 @@ def _read_model(path: Path) -> onnx.ModelProto:
     return model
 
 
-def _check_ops_importable(model: onnx.ModelProto, path: Path) -> None:
-    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
-
-    known = _get_convert_map()
-    unknown = sorted(
-        {
-            (n.domain or "ai.onnx") + "::" + n.op_type
-            for n in model.graph.node
-            if n.domain not in ("", "ai.onnx") or n.op_type not in known
-        }
-    )
-    if unknown:
-        standard = all(u.startswith("ai.onnx::") for u in unknown)
-        import tvm
-
-        hint = (f"TVM {tvm.__version__}'s ONNX importer has no converter for them: export the part of the model "
-                "before them (e.g. the CNN backbone) and run the rest elsewhere, or rewrite them as other ops"
-                if standard else "replace them in the exported model (or export with standard ONNX ops only)")
-        raise CompileError(f"{path.name}: op(s) {', '.join(unknown)} can be run by neither TVM nor ACL; {hint}")
-
-
 def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> LoadedModel:
     """Read, check and normalise (compiler/normalise.py STEPS) an ONNX model with its inputs
     pinned: what TVM imports and the golden pairs run on."""
     path = Path(path)
     model = _read_model(path)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    _check_ops_importable(model, path)
     ctx = normalise.Context(path, parse_input_specs(input_specs))
     folded = normalise.normalise(model, ctx)
     inits = {i.name for i in folded.graph.initializer}

@@ -8,6 +8,8 @@ ones that emit plain Relax ops (and restored after, even on error):
     Pad (opset >= 11)    constant mode -> relax.nn.pad (topi's pad as call_tir otherwise)
     Max / Min / Sum / Mean  of non-constant tensors -> pairwise maximum / minimum / add (/ n)
                          (broadcast_to + stack + reduce otherwise)
+
+and the escape hatch's placeholders (compiler/hatch.py) import as call_dps_packed to their orders.
 """
 
 from __future__ import annotations
@@ -114,6 +116,25 @@ def _patched():
                 setattr(cls, name, original)
 
 
+@contextlib.contextmanager
+def _placeholders(groups):
+    """The escape hatch's placeholder nodes (compiler/hatch.py) known to the importer while it runs."""
+    from tvm.relax.frontend.onnx import onnx_frontend as fe
+
+    from . import hatch
+
+    if not groups:
+        yield
+        return
+    original = fe._get_convert_map
+    conv = hatch.converter(groups)
+    fe._get_convert_map = lambda: {**original(), hatch.PLACEHOLDER: conv}
+    try:
+        yield
+    finally:
+        fe._get_convert_map = original
+
+
 def to_relax(model):
     """Import a loaded model (compiler/frontend.LoadedModel) with weights as constants (what
     `is_const()` patterns need)."""
@@ -122,8 +143,8 @@ def to_relax(model):
     shape_dict = {i.name: i.shape for i in model.inputs}
     problem = None
     try:
-        with _patched():
-            return from_onnx(model.proto, shape_dict=shape_dict, keep_params_in_input=False)
+        with _patched(), _placeholders(model.hatch):
+            return from_onnx(model.tvm_proto or model.proto, shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:
         msg = [m for m in str(err).strip().splitlines() if m.strip()]
         problem = msg[-1][:300] if msg else type(err).__name__
