@@ -15,8 +15,8 @@ initializers they read, shapes from onnx's shape inference (or, where it cannot 
 the model: a Loop's outputs); an output whose size depends on the data is refused at compile time.
 
 ``check_runtime`` is the backstop after TVM's build pipeline: a packed function the lowered module
-calls that the runtime library lacks (RUNTIME_FUNCS says what it has) refuses the compile, naming
-the op, instead of writing a bundle the device cannot run.
+calls that the runtime library lacks (RUNTIME_PREFIXES / RUNTIME_ABSENT say what it has) refuses
+the compile, naming the op, instead of writing a bundle the device cannot run.
 """
 
 from __future__ import annotations
@@ -56,12 +56,10 @@ RUNTIME_LACKS: dict[str, Lack] = {x.op: x for x in [
 ]}
 
 # What the runtime-only library registers that lowered modules call by name: the VM's builtins
-# (the VM lives in libtvm_runtime) and the named functions below. The test lists the runtime-only
-# process's registry against this.
+# (the VM lives in libtvm_runtime), except the few below that only the compiler library adds.
+# tests/compiler/test_hatch.py compares both with the registries of the two libraries.
 RUNTIME_PREFIXES = ("vm.builtin.",)
-RUNTIME_FUNCS = frozenset({
-    "runtime.TVMFFIEnvModRegisterSystemLibSymbol",
-})
+RUNTIME_ABSENT = frozenset({"vm.builtin.debug_print"})
 
 
 def symbol_prefix(model_name: str) -> str:
@@ -83,7 +81,7 @@ class Group:
 
     @property
     def op_types(self) -> list[str]:
-        return [n.op_type for n in self.nodes]
+        return [op_name(n) for n in self.nodes]
 
     def order(self) -> dict:
         """The order (contract/orders.py): kind onnx, its tensors, no layers."""
@@ -104,6 +102,11 @@ class Group:
                 "reason": "onnxruntime: " + "; ".join(f"{o}: {self.why[o]}" for o in ops),
                 "why": dict(self.why), "nodes": [n.name or n.output[0] for n in self.nodes],
                 "est": {}, "order": f"{member}.json", "onnx": f"{member}.onnx"}
+
+
+def op_name(node: onnx.NodeProto) -> str:
+    """The op type, with its domain when it is not ONNX's own (com.example::Frobnicate)."""
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
 
 
 def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
@@ -201,24 +204,33 @@ def _known_specs(model: onnx.ModelProto) -> dict[str, tuple[list, int]]:
     return out
 
 
-def _run_for_shapes(model: onnx.ModelProto, names: list[str], inputs: list[dict]) -> list[dict[str, tuple]]:
-    """Shapes and dtypes of ``names`` when onnxruntime runs the model on the golden probe inputs
-    (seeds 1 and 2, as compiler/pipeline.py's golden pairs)."""
+def session(model_bytes: bytes, ops: list[str]):
+    """An onnxruntime session of a model holding ``ops`` (the hatch's op types), or the refusal:
+    neither TVM, ACL nor onnxruntime runs them."""
     import onnxruntime as ort
 
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    except Exception as err:
+        text = " ".join(str(err).split()).removeprefix("[ONNXRuntimeError] : ")
+        raise CompileError(f"op(s) {', '.join(sorted(set(ops)))} can be run by neither TVM nor ACL, nor by "
+                           f"onnxruntime {ort.__version__} ({text[:200]}); replace them in the exported model "
+                           "(or export with standard ONNX ops only)") from None
+
+
+def _run_for_shapes(model: onnx.ModelProto, names: list[str], inputs: list[dict],
+                    ops: list[str]) -> list[dict[str, tuple]]:
+    """Shapes and dtypes of ``names`` when onnxruntime runs the model on the golden probe inputs
+    (seeds 1 and 2, as compiler/pipeline.py's golden pairs)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     have = {o.name for o in m.graph.output}
     for n in names:
         if n not in have:
             m.graph.output.append(onnx.ValueInfoProto(name=n))
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    try:
-        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    except Exception as err:
-        raise CompileError(f"onnxruntime cannot run the model to size the parts TVM cannot take "
-                           f"({' '.join(str(err).split())[:200]}); export it with ops onnxruntime runs") from None
+    sess = session(m.SerializeToString(), ops)
     runs = []
     for seed in (1, 2):
         ins = probe.inputs({"inputs": inputs}, seed=seed)
@@ -240,7 +252,7 @@ def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict]) -> tuple[on
     groups: list[Group] = []
     for k, members in enumerate(_groups(model, picked)):
         g = Group(f"{prefix}_ort_{k}", [nodes[m] for m in members],
-                  why={nodes[m].op_type: picked[m] for m in members})
+                  why={op_name(nodes[m]): picked[m] for m in members})
         made = {o for n in g.nodes for o in n.output if o}
         for n in g.nodes:
             for i in reads(n):
@@ -260,7 +272,7 @@ def _size(model: onnx.ModelProto, groups: list[Group], inputs: list[dict]) -> No
     known = _known_specs(model)
     unknown = [n for g in groups for n in g.inputs + g.outputs
                if known.get(n, (None, 0))[0] is None or None in known[n][0] or known[n][1] not in _DTYPES]
-    runs = _run_for_shapes(model, unknown, inputs) if unknown else []
+    runs = _run_for_shapes(model, unknown, inputs, [t for g in groups for t in g.op_types]) if unknown else []
     for g in groups:
         for n in g.inputs + g.outputs:
             if n in unknown:
@@ -293,7 +305,9 @@ def _render(model: onnx.ModelProto, g: Group, inits: dict[str, onnx.TensorProto]
         text = " ".join(str(err).split())
         raise CompileError(f"the part of the model for onnxruntime ({', '.join(sorted(set(g.op_types)))}) is not a "
                            f"valid ONNX model on its own ({text[:240]}); report the model") from None
-    return m.SerializeToString()
+    data = m.SerializeToString()
+    session(data, g.op_types)     # what the device's executor will do with it
+    return data
 
 
 def _with_placeholders(model: onnx.ModelProto, groups: list[Group]) -> onnx.ModelProto:
@@ -371,8 +385,7 @@ def external_calls(mod) -> set[str]:
 
 def missing(names: set[str], provided: set[str] | frozenset[str]) -> list[str]:
     """The functions of ``names`` that neither the runtime library nor the bundle's orders provide."""
-    return sorted(n for n in names if n not in provided and n not in RUNTIME_FUNCS
-                  and not n.startswith(RUNTIME_PREFIXES))
+    return sorted(n for n in names if n not in provided and (n in RUNTIME_ABSENT or not n.startswith(RUNTIME_PREFIXES)))
 
 
 def check_runtime(calls: set[str], provided: set[str] | frozenset[str]) -> None:
