@@ -55,6 +55,10 @@ RUNTIME_LACKS: dict[str, Lack] = {x.op: x for x in [
     Lack("Unique", "relax.run.unique", "relax.unique"),
 ]}
 
+# Ops whose output size is the data's to decide (the count of hits, of unique values, of boxes kept):
+# unless shape inference gives it statically, such an output is refused, whatever the probes gave.
+DATA_SHAPED = frozenset({"NonZero", "Unique", "NonMaxSuppression", "Compress"})
+
 # What the runtime-only library registers that lowered modules call by name: the VM's builtins
 # (the VM lives in libtvm_runtime), except the few below that only the compiler library adds.
 # tests/compiler/test_hatch.py compares both with the registries of the two libraries.
@@ -277,11 +281,12 @@ def _size(model: onnx.ModelProto, groups: list[Group], inputs: list[dict]) -> No
         for n in g.inputs + g.outputs:
             if n in unknown:
                 seen = {tuple(r[n][0]) for r in runs}
-                if len(seen) > 1:
-                    op = next((x.op_type for x in g.nodes if n in x.output), g.nodes[0].op_type)
-                    raise CompileError(f"{op} ({n}) gives outputs whose size depends on the input data "
-                                       f"({' vs '.join('x'.join(map(str, s)) for s in sorted(seen))}); a Tandoor "
-                                       "bundle needs static shapes: end the model before it (run it on the host)")
+                op = next((x.op_type for x in g.nodes if n in x.output), g.nodes[0].op_type)
+                if len(seen) > 1 or op in DATA_SHAPED:   # two probes agreeing proves nothing for these
+                    sizes = " vs ".join("x".join(map(str, s)) for s in sorted(seen))
+                    raise CompileError(f"{op} ({n}) gives outputs whose size depends on the input data ({sizes}); "
+                                       "a Tandoor bundle needs static shapes: end the model before it (run it on "
+                                       "the host)")
                 g.specs[n] = (list(runs[0][n][0]), runs[0][n][1])
             else:
                 dims, et = known[n]
