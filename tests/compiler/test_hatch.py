@@ -230,3 +230,47 @@ def test_tvm_lowers_each_routed_op_to_the_function_the_table_names_and_the_backs
     with pytest.raises(CompileError, match=rf"{lack.function} \(from {op}\)"):
         hatch.check_runtime(calls, frozenset())
     hatch.check_runtime(calls - {lack.function}, frozenset())   # the VM's own builtins pass
+
+
+def test_connected_nodes_share_one_order_unless_that_would_make_a_cycle():
+    """LSTM -> LSTM is one order; LSTM -> (Relu in TVM) -> LSTM, with the first also feeding the
+    second directly, cannot be one order (it would wait for TVM, which waits for it): two."""
+    from tandoor_compiler import hatch
+
+    h = 4
+
+    def lstm_node(x, y, k):
+        return N("LSTM", [x, f"W{k}", f"R{k}"], [y], hidden_size=h)
+
+    def lstm_weights(k, feat):
+        return {f"W{k}": _w(1, 4 * h, feat), f"R{k}": _w(1, 4 * h, h)}
+
+    def model(nodes, inits):
+        g = helper.make_graph(nodes, "g", [_vi("x", [3, 1, h])], [_vi("y", None)],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    sq = {"ax": _i64(1)}
+    chain = model([lstm_node("x", "a4", 0), N("Squeeze", ["a4", "ax"], ["a"]), lstm_node("a", "b4", 1),
+                   N("Squeeze", ["b4", "ax"], ["y"])], {**lstm_weights(0, h), **lstm_weights(1, h), **sq})
+    chain = onnx.shape_inference.infer_shapes(chain)
+    inputs = [{"name": "x", "shape": [3, 1, h], "dtype": "float32"}]
+    _, groups = hatch.cut(chain, "m", inputs)
+    assert [g.op_types for g in groups] == [["LSTM"], ["LSTM"]]   # Squeeze (TVM) sits between them
+
+    # two LSTMs fed by one another directly: one order of two nodes
+    direct = model([N("LSTM", ["x", "W0", "R0"], ["", "yh"], hidden_size=h),
+                    N("LSTM", ["yh", "W1", "R1"], ["y4"], hidden_size=h), N("Squeeze", ["y4", "ax"], ["y"])],
+                   {**lstm_weights(0, h), **lstm_weights(1, h), **sq})
+    tvm_proto, groups = hatch.cut(direct, "m", inputs)
+    assert [g.op_types for g in groups] == [["LSTM", "LSTM"]] and groups[0].inputs == ["x"]
+    assert [n.op_type for n in tvm_proto.graph.node] == [hatch.PLACEHOLDER, "Squeeze"]
+
+    # the second LSTM reads the first directly and through a Relu TVM runs: merging them would cycle
+    cyc = model([N("LSTM", ["x", "W0", "R0"], ["", "yh"], hidden_size=h), N("Relu", ["yh"], ["r"]),
+                 N("Add", ["yh", "r"], ["s"]), N("LSTM", ["s", "W1", "R1", "", "", "yh"], ["y4"], hidden_size=h),
+                 N("Squeeze", ["y4", "ax"], ["y"])], {**lstm_weights(0, h), **lstm_weights(1, h), **sq})
+    tvm_proto, groups = hatch.cut(cyc, "m", inputs)
+    assert [g.op_types for g in groups] == [["LSTM"], ["LSTM"]]
+    sess = ort.InferenceSession(groups[1].onnx_bytes, providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["s", "yh"]      # initial_h from the first order
