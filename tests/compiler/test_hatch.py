@@ -274,3 +274,33 @@ def test_connected_nodes_share_one_order_unless_that_would_make_a_cycle():
     assert [g.op_types for g in groups] == [["LSTM"], ["LSTM"]]
     sess = ort.InferenceSession(groups[1].onnx_bytes, providers=["CPUExecutionProvider"])
     assert [i.name for i in sess.get_inputs()] == ["s", "yh"]      # initial_h from the first order
+
+
+def test_an_onnxruntime_order_with_an_int_input_made_in_tvm_runs_and_profiles(tmp_path):
+    """LSTM's sequence_lens (int32) computed by the TVM side from the input: the order's int32
+    tensor is bound as int32 by the onnxruntime executor, and `tandoor-agent profile` feeds it
+    valid values (zeros), not quantized codes."""
+    h = 4
+    nodes = [N("ReduceMax", ["x"], ["m"], keepdims=0, axes=[0, 1, 2]), N("Mul", ["m", "zero"], ["z"]),
+             N("Add", ["z", "three"], ["t"]), N("Reshape", ["t", "one"], ["t1"]), N("Cast", ["t1"], ["sl"], to=TensorProto.INT32),
+             N("LSTM", ["x", "W", "R", "", "sl"], ["y"], hidden_size=h)]
+    model = _save(tmp_path / "seqlen.onnx", nodes, [_vi("x", [3, 1, 4])], [_vi("y", [3, 1, 1, h])],
+                  {"W": _w(1, 4 * h, 4), "R": _w(1, 4 * h, h), "zero": np.array(0, np.float32),
+                   "three": np.array(3, np.float32), "one": _i64(1)}, opset=17)
+    bundle = tmp_path / "seqlen.hmod"
+    run_cli("tandoor", "compile", str(model), "-o", str(bundle), "--measure", "off", check=True)
+    [part] = [p for p in manifest_of(bundle)["partitions"] if p.get("kind") == "onnx"]
+    import zipfile
+
+    with zipfile.ZipFile(bundle) as z:
+        order = json.loads(z.read(part["order"]))
+    assert {i["name"]: i["dtype"] for i in order["inputs"]} == {"x": "float32", "sl": "int32"}
+    x = np.random.default_rng(3).standard_normal((3, 1, 4)).astype(np.float32)
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got, _ = _agent_outputs(bundle, x, tmp_path)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+    prof = tmp_path / "prof.json"
+    run_cli("tandoor-agent", "profile", str(bundle), "-o", str(prof), "--runs", "2", "--warmup", "0", check=True)
+    entry = json.loads(prof.read_text())["subgraphs"][part["symbol"]]
+    assert entry["exec_us"]["onnxruntime"] > 0
+    assert "runs on onnxruntime only" in entry["unavailable"]["tvm"]
