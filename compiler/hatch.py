@@ -8,9 +8,10 @@ Two kinds of node go this way, each with its reason (``why``):
                      TVM library registers (RUNTIME_LACKS); the device loads the runtime only
 
 ``cut`` replaces each connected run of such nodes (merged only where that makes no cycle) by one
-placeholder node; while TVM imports the model (compiler/importer.py) the placeholder becomes
-``call_dps_packed(symbol, inputs)``, which the VM resolves to the agent's onnxruntime executor,
-as it does every delegated order. The order's ONNX rendering is the original nodes with the
+placeholder node; while TVM imports the model (compiler/importer.py) the placeholder becomes a
+call to an external function (Codegen "onnxruntime", ``converter``), which RunCodegen turns into
+``call_dps_packed(symbol, inputs)`` as it does for the ACL regions; the VM resolves the symbol to
+the agent's onnxruntime executor, as it does every delegated order. The order's ONNX rendering is the original nodes with the
 initializers they read, shapes from onnx's shape inference (or, where it cannot say, from running
 the model: a Loop's outputs); an output whose size depends on the data is refused at compile time.
 

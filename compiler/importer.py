@@ -9,7 +9,8 @@ ones that emit plain Relax ops (and restored after, even on error):
     Max / Min / Sum / Mean  of non-constant tensors -> pairwise maximum / minimum / add (/ n)
                          (broadcast_to + stack + reduce otherwise)
 
-and the escape hatch's placeholders (compiler/hatch.py) import as call_dps_packed to their orders.
+and the escape hatch's placeholder nodes (compiler/hatch.py) import as calls to external functions
+(Codegen "onnxruntime") that RunCodegen later makes call_dps_packed to their orders' symbols.
 """
 
 from __future__ import annotations
