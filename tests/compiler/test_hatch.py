@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -113,8 +114,6 @@ def test_a_node_neither_acl_nor_the_runtime_runs_becomes_an_onnxruntime_order(na
     hatch = [p for p in man["partitions"] if p.get("kind") == "onnx"]
     assert [p["ops"] for p in hatch] == [[f"onnx.{o}" for o in ops]] and hatch[0]["delegate"]
     assert set(hatch[0]["why"]) == set(ops) and hatch[0]["executor"] == "onnxruntime"
-    import zipfile
-
     with zipfile.ZipFile(bundle) as z:
         order = json.loads(z.read(hatch[0]["order"]))
         rendering = onnx.load_from_string(z.read(hatch[0]["onnx"]))
@@ -290,8 +289,6 @@ def test_an_onnxruntime_order_with_an_int_input_made_in_tvm_runs_and_profiles(tm
     bundle = tmp_path / "seqlen.hmod"
     run_cli("tandoor", "compile", str(model), "-o", str(bundle), "--measure", "off", check=True)
     [part] = [p for p in manifest_of(bundle)["partitions"] if p.get("kind") == "onnx"]
-    import zipfile
-
     with zipfile.ZipFile(bundle) as z:
         order = json.loads(z.read(part["order"]))
     assert {i["name"]: i["dtype"] for i in order["inputs"]} == {"x": "float32", "sl": "int32"}

@@ -14,7 +14,6 @@ with auto's executors and with the TVM fallbacks; a packed function the runtime 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
