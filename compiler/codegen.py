@@ -14,7 +14,7 @@ from tvm import relax
 
 from tandoor_contract import hmod, orders
 
-from . import acl
+from . import acl, hatch
 from .errors import CompileError
 
 ALIGN = 64
@@ -111,7 +111,7 @@ def region_to_order(func: relax.Function, symbol: str) -> tuple[dict, bytes]:
     order = {"symbol": symbol, "inputs": [{"name": n, **tensors[n]} for n in inputs],
              "outputs": [{"name": n, **tensors[n]} for n in outputs], "tensors": tensors, "weights": w.table, "ops": ops}
     # version 1 while an order is all float32: agents that know only 1 still run it
-    order = {"order_version": hmod.ORDER_VERSION if orders.is_quantized(order) else 1, **order}
+    order = {"order_version": orders.QUANT_ORDER_VERSION if orders.is_quantized(order) else 1, **order}
     return order, bytes(w.blob)
 
 
@@ -144,7 +144,9 @@ def _register_codegen() -> None:
     'nothing to link' and let RunCodegen turn each region call into call_dps_packed(symbol)."""
     global _REGISTERED
     if not _REGISTERED:
-        tvm_ffi.register_global_func("relax.ext.acl", lambda funcs, options, consts: [], override=True)
+        # the same for the escape hatch's onnxruntime orders (compiler/hatch.py), written by pipeline
+        for name in ("acl", hatch.CODEGEN):
+            tvm_ffi.register_global_func(f"relax.ext.{name}", lambda funcs, options, consts: [], override=True)
         _REGISTERED = True
 
 
@@ -242,7 +244,9 @@ def _lift_constants(mod: tvm.IRModule):
 LINK_OPTIONS = ["-s"]
 
 
-def build(mod: tvm.IRModule, target: dict, out_path, cross_cc: str | None) -> None:
+def build(mod: tvm.IRModule, target: dict, out_path, cross_cc: str | None, provided: frozenset[str] = frozenset()) -> None:
+    """``provided``: the symbols the bundle's orders register on the device; any other packed
+    function the lowered module calls must be in the device's runtime library (hatch.check_runtime)."""
     # schedule.py: relax's default CPU pipeline + vectorised, parallel schedules (docs/benchmarks.md);
     # the host target gets its CPU named (x86-64-v3 on AVX2 machines) instead of generic x86-64.
     from . import schedule
@@ -251,7 +255,10 @@ def build(mod: tvm.IRModule, target: dict, out_path, cross_cc: str | None) -> No
 
     t = tvm.target.Target(target if cross_cc else schedule.host_target(target))
     mod = legalise_for_tvm(mod)
-    ex = tvm.compile(mod, target=t, relax_pipeline=schedule.cpu_pipeline(t))
+    calls: set[str] = set()
+    ex = tvm.compile(mod, target=t, relax_pipeline=tvm.transform.Sequential([schedule.cpu_pipeline(t),
+                                                                             hatch.observer(calls)]))
+    hatch.check_runtime(calls, provided)
     # -s: no static symbol table (the runtime finds its entry points through the dynamic one);
     # a third to a half of each library, and a bundle carries one per target and per fallback
     if cross_cc:

@@ -19,7 +19,7 @@ from tandoor_contract import hmod, media
 from . import normalise
 from .errors import CompileError
 
-ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 6: "int32", 7: "int64", 9: "bool", 10: "float16", 11: "float64"}
+ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64", 9: "bool", 10: "float16", 11: "float64"}
 
 
 @dataclass
@@ -43,6 +43,9 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)
     overwritten: bool = False         # --input replaced a static dim of the model's input
     fp16: dict | None = None          # fp16 parts computed in fp32 (normalise.fp16_to_fp32)
+    # the escape hatch (compiler/hatch.py): what TVM imports when some nodes go to onnxruntime
+    tvm_proto: onnx.ModelProto | None = None
+    hatch: list = field(default_factory=list)
 
 
 def parse_input_specs(specs: list[str] | tuple[str, ...]) -> dict[str, list[int]]:
@@ -80,27 +83,6 @@ def _read_model(path: Path, ctx: normalise.Context | None = None) -> onnx.ModelP
     return model
 
 
-def _check_ops_importable(model: onnx.ModelProto, path: Path) -> None:
-    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
-
-    known = _get_convert_map()
-    unknown = sorted(
-        {
-            (n.domain or "ai.onnx") + "::" + n.op_type
-            for n in model.graph.node
-            if n.domain not in ("", "ai.onnx") or n.op_type not in known
-        }
-    )
-    if unknown:
-        standard = all(u.startswith("ai.onnx::") for u in unknown)
-        import tvm
-
-        hint = (f"TVM {tvm.__version__}'s ONNX importer has no converter for them: export the part of the model "
-                "before them (e.g. the CNN backbone) and run the rest elsewhere, or rewrite them as other ops"
-                if standard else "replace them in the exported model (or export with standard ONNX ops only)")
-        raise CompileError(f"{path.name}: op(s) {', '.join(unknown)} can be run by neither TVM nor ACL; {hint}")
-
-
 # Model inputs are images (contract/media.INPUT_DTYPES: float32, or uint8 pixels the graph
 # normalises); why each other dtype is refused, for the one-line refusal.
 _IDS = ("integer ids (tokens, indices) are not images; Tandoor compiles models whose inputs are images, "
@@ -120,7 +102,6 @@ def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> Loa
     ctx = normalise.Context(path, parse_input_specs(input_specs))
     model = _read_model(path, ctx)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    _check_ops_importable(model, path)
     folded = normalise.normalise(model, ctx)
     inits = {i.name for i in folded.graph.initializer}
     inputs = []

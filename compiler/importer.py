@@ -10,6 +10,9 @@ ones that emit plain Relax ops (and restored after, even on error):
                          (broadcast_to + stack + reduce otherwise)
     Resize               an empty roi/scales/sizes constant (opsets 11-12's "not given") as none
                          (TVM asserts that only one of scales and sizes is given)
+
+and the escape hatch's placeholder nodes (compiler/hatch.py) import as calls to external functions
+(Codegen "onnxruntime") that RunCodegen later makes call_dps_packed to their orders' symbols.
 """
 
 from __future__ import annotations
@@ -129,6 +132,25 @@ def _patched():
                 setattr(cls, name, original)
 
 
+@contextlib.contextmanager
+def _placeholders(groups):
+    """The escape hatch's placeholder nodes (compiler/hatch.py) known to the importer while it runs."""
+    from tvm.relax.frontend.onnx import onnx_frontend as fe
+
+    from . import hatch
+
+    if not groups:
+        yield
+        return
+    original = fe._get_convert_map
+    conv = hatch.converter(groups)
+    fe._get_convert_map = lambda: {**original(), hatch.PLACEHOLDER: conv}
+    try:
+        yield
+    finally:
+        fe._get_convert_map = original
+
+
 def to_relax(model):
     """Import a loaded model (compiler/frontend.LoadedModel) with weights as constants (what
     `is_const()` patterns need)."""
@@ -137,8 +159,8 @@ def to_relax(model):
     shape_dict = {i.name: i.shape for i in model.inputs}
     problem = None
     try:
-        with _patched():
-            return from_onnx(model.proto, shape_dict=shape_dict, keep_params_in_input=False)
+        with _patched(), _placeholders(model.hatch):
+            return from_onnx(model.tvm_proto or model.proto, shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:
         msg = [m for m in str(err).strip().splitlines() if m.strip()]
         problem = msg[-1][:300] if msg else type(err).__name__

@@ -72,6 +72,8 @@ def order_to_onnx(order: dict, weights: bytes, external: str | None = None) -> o
     ver = order.get("order_version")
     if ver not in hmod.ORDER_VERSIONS:
         raise ValueError(f"order_version {ver!r} is not supported (expected one of {hmod.ORDER_VERSIONS})")
+    if orders.kind_of(order) != "layers":   # an onnx order (compiler/hatch.py) is its own ONNX already
+        raise ValueError(f"order {order.get('symbol')!r} is of kind {orders.kind_of(order)!r}: only a layer list is rendered")
     if external is not None and (not external or "/" in external or "\\" in external or external.startswith(".")):
         raise ValueError(f"external data file name {external!r} must be a plain file name")
     r = _Renderer(order, bytes(weights), external)

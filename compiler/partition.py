@@ -8,7 +8,7 @@ import tvm
 from tvm import relax
 from tvm.relax.transform import FusionPattern
 
-from . import acl
+from . import acl, hatch
 
 CODEGEN = "acl"
 
@@ -84,9 +84,10 @@ def partition(mod: tvm.IRModule, model_name: str, keep=None) -> PartitionResult:
     ops_total = count_ops(mod["main"])
     mod = relax.transform.FuseOpsByPattern(_fusion_patterns(), bind_constants=True, annotate_codegen=False)(mod)
     mod = relax.transform.MergeCompositeFunctions()(mod)
+    mod = _keep_external_symbols(mod)
 
     parts: list[Partition] = []
-    prefix = "".join(c if c.isalnum() else "_" for c in model_name)[:40]
+    prefix = hatch.symbol_prefix(model_name)
     renames: dict[str, str] = {}
     for gv, func in list(mod.functions.items()):
         if not isinstance(func, relax.Function) or func.attrs is None or func.attrs.get("Codegen") != CODEGEN:
@@ -121,6 +122,16 @@ def partition(mod: tvm.IRModule, model_name: str, keep=None) -> PartitionResult:
         if not p.delegate:
             tvm_ops += [(o, p.reason) for o in p.ops]
     return PartitionResult(mod, parts, tvm_ops, ops_total, delegated)
+
+
+def _keep_external_symbols(mod: tvm.IRModule) -> tvm.IRModule:
+    """MergeCompositeFunctions renames every function with a Codegen attr to "<name>_<codegen>",
+    the escape hatch's already named ones too (compiler/hatch.py): their symbols are what the
+    device registers, so they get their names back."""
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function) and func.attrs is not None and func.attrs.get("Codegen") == hatch.CODEGEN:
+            mod[gv] = func.with_attr("global_symbol", gv.name_hint.removesuffix(f"_{hatch.CODEGEN}"))
+    return mod
 
 
 def _all_calls(func: relax.Function) -> list[relax.Call]:

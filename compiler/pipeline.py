@@ -3,12 +3,15 @@
 ``compile_model`` runs these stages, each a function below, in this order; an unexpected failure
 in one is an InternalError (exit 3) naming the stage, a bad input a CompileError (exit 2):
 
-    load       frontend.load: read, check, normalise (compiler/normalise.py), pin shapes, fold
+    load       frontend.load: read, check, normalise (compiler/normalise.py), pin shapes, fold;
+               hatch.cut: nodes neither ACL nor the device's TVM runtime runs -> onnxruntime orders
     import     importer.to_relax: ONNX -> Relax with weights as constants
     optimise   passes.optimise: fold, NHWC, layout transposes cancelled
     partition  the ACL table -> merged regions -> the cost policy keeps what pays -> symbols
-    codegen    each kept region -> an order (+ ONNX rendering, + TVM fallback module)
-    build      the TVM side and every fallback, per target (aarch64 cross-compiled)
+    codegen    each kept region -> an order (+ ONNX rendering, + TVM fallback module); each
+               onnxruntime order -> its order + the original nodes as ONNX
+    build      the TVM side and every fallback, per target (aarch64 cross-compiled); a call to a
+               packed function the device's runtime lacks refuses the compile (hatch.check_runtime)
     golden     onnxruntime on the source model: pairs the device (and the check) replays
     write      hmod.write_bundle to a temporary name beside the output
     check      the written bundle's own golden self-test in a separate process (the agent's
@@ -235,13 +238,17 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
              ckey: str | None) -> dict:
     """The stages, start to finish; with ``ckey``, the checked bundle also goes into the cache."""
     # these import TVM (2-3 s of a compile's start): here, so that a compile the cache serves never does
-    global codegen, cost, importer, partition, passes, report
+    global codegen, cost, hatch, importer, partition, passes, report
     with stage("startup", timings):
-        from . import codegen, cost, importer, partition, passes, report
+        from . import codegen, cost, hatch, importer, partition, passes, report
 
     say("loading and normalising the ONNX model")
     with stage("load", timings):
         loaded = frontend.load(model, opts.inputs)
+        loaded.tvm_proto, loaded.hatch = hatch.cut(loaded.proto, opts.name or loaded.name,
+                                                   [i.as_dict() for i in loaded.inputs])
+    for g in loaded.hatch:
+        say(f"{g.symbol}: {', '.join(g.op_types)} to onnxruntime")
     _media(opts, [i.as_dict() for i in loaded.inputs], {})     # a bad --mean or --decoder fails here, before the work
     say("importing into TVM Relax")
     with stage("import", timings):
@@ -345,6 +352,7 @@ class Plan:
     model_us: float
     measured: profile_mod.Measured | None   # with compile --profile
     arch: str
+    hatch: list = field(default_factory=list)   # onnxruntime orders (compiler/hatch.py Group)
 
 
 def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
@@ -383,7 +391,8 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
     say("partitioning for ACL")
     name = opts.name or loaded.name
     result = partition.partition(mod, name, keep)
-    return Plan(name, result, [p for p in result.partitions if p.delegate], total_flops, model_us, measured, arch)
+    return Plan(name, result, [p for p in result.partitions if p.delegate], total_flops, model_us, measured, arch,
+                loaded.hatch)
 
 
 def _measures(opts: Options, tgts, plan: Plan) -> bool:
@@ -461,6 +470,11 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             entry["fallback_params"] = _fallback_params(p.symbol, order, blob, values, members)
             fallbacks[p.symbol] = fb_mod
         parts_manifest.append(entry)
+    for g in plan.hatch:
+        member = f"orders/{g.symbol}"
+        members[f"{member}.json"] = json.dumps(g.order(), sort_keys=True, separators=(",", ":")).encode()
+        members[f"{member}.onnx"] = g.onnx_bytes
+        parts_manifest.append(g.manifest_entry(member))
     return members, parts_manifest, fallbacks
 
 
@@ -481,13 +495,14 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
 def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
     """The TVM side and every fallback, per target; libs become members."""
     lowered = codegen.lower_regions(plan.result.mod)
+    provided = frozenset([p.symbol for p in plan.kept] + [g.symbol for g in plan.hatch])
     target_entries = {}
     with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
         tmpd = Path(tmp)
         for t in tgts:
             say(f"compiling the TVM part for {t.name}")
             lib = tmpd / f"{t.name}.so"
-            codegen.build(lowered, t.llvm, lib, t.cross_cc)
+            codegen.build(lowered, t.llvm, lib, t.cross_cc, provided)
             members[f"lib/{t.name}.so"] = lib.read_bytes()
             entry = {"arch": t.arch, "lib": f"lib/{t.name}.so", "llvm": t.llvm, "fallback": {}}
             for symbol, fb_mod in fallbacks.items():

@@ -11,6 +11,8 @@ from tvm import relax
 
 from tandoor_contract import hmod
 
+from . import hatch
+
 JSON_KEYS = ("format_version", "model", "targets", "inputs", "outputs", "ops_total", "ops_delegated",
              "delegation_ratio", "predicted_speedup")
 
@@ -20,7 +22,9 @@ def summary(bundle: hmod.Bundle) -> dict:
     info = {k: m.get(k) for k in JSON_KEYS}
     info["targets"] = {t: {"arch": v["arch"]} for t, v in m["targets"].items()}
     info["partitions"] = [{"symbol": p["symbol"], "ops": p["ops"], "delegate": p["delegate"], "reason": p["reason"],
-                           "est": p.get("est", {})} for p in m["partitions"]]
+                           "est": p.get("est", {}), **({"kind": p["kind"]} if "kind" in p else {})}
+                          for p in m["partitions"]]
+    info["onnxruntime_ops"] = onnxruntime_ops(m["partitions"])
     info["tvm_ops"] = m.get("tvm_ops", [])
     info["tvm_ops_by_op"] = tvm_ops_by_op(info["tvm_ops"])
     info["layout_transposes"] = m.get("layout_transposes")
@@ -32,6 +36,29 @@ def summary(bundle: hmod.Bundle) -> dict:
     info["signed"] = bundle.signed
     info["created"], info["cache"] = m.get("created"), m.get("cache")
     return info
+
+
+def runs_on(p: dict) -> str:
+    """Where a manifest partition runs: ACL (an order of layers), onnxruntime (an onnx order:
+    compiler/hatch.py) or TVM (kept in the TVM side)."""
+    if not p["delegate"]:
+        return "TVM"
+    return "onnxruntime" if p.get("kind") == "onnx" else "ACL"
+
+
+def onnxruntime_ops(partitions: list[dict]) -> list[dict]:
+    """The ONNX nodes that went to onnxruntime, one row per op type: how many, in which orders, why."""
+    rows: dict[str, dict] = {}
+    for p in partitions:
+        if p.get("kind") != "onnx":
+            continue
+        for op in p["ops"]:
+            op = op.removeprefix("onnx.")
+            row = rows.setdefault(op, {"op": op, "count": 0, "symbols": [], "reason": (p.get("why") or {}).get(op, "")})
+            row["count"] += 1
+            if p["symbol"] not in row["symbols"]:
+                row["symbols"].append(p["symbol"])
+    return sorted(rows.values(), key=lambda r: (-r["count"], r["op"]))
 
 
 def tvm_ops_by_op(tvm_ops: list[dict]) -> list[dict]:
@@ -62,7 +89,7 @@ def print_summary(info: dict) -> None:
         c.print(f"compiled: {info['created']}")
     share = f"{info['flops_share']:.1%} of the FLOPs, " if info.get("flops_share") is not None else ""
     c.print(f"delegated to ACL: {share}{info['ops_delegated']}/{info['ops_total']} ops "
-            f"(ratio {info['delegation_ratio']:.2f}) in {sum(p['delegate'] for p in info['partitions'])} subgraph(s); "
+            f"(ratio {info['delegation_ratio']:.2f}) in {sum(runs_on(p) == 'ACL' for p in info['partitions'])} subgraph(s); "
             f"predicted speedup {info['predicted_speedup']:.2f}x, policy {info['policy']}, "
             f"layout transposes: {info['layout_transposes']}")
     if q := info.get("quantized"):   # an INT8 QDQ model (compiler/quantize.py)
@@ -83,7 +110,7 @@ def print_summary(info: dict) -> None:
     for p in info["partitions"]:
         ops = Counter(p["ops"])
         share = f"{p['est']['p']:.1%}" if (p.get("est") or {}).get("p") is not None else "-"
-        t.add_row(p["symbol"], "ACL" if p["delegate"] else "TVM",
+        t.add_row(p["symbol"], runs_on(p),
                   f"{len(p['ops'])}: " + ", ".join(f"{k} x{v}" for k, v in ops.most_common(6)), share,
                   *([p["reason"]] if wide else []))
     c.print(t)
@@ -95,9 +122,18 @@ def print_summary(info: dict) -> None:
         if err:   # decided from measurements: how far the estimate was from them
             c.print(f"[bold]{p['symbol']}[/] estimate vs measured: " + ", ".join(
                 f"{k} {v:+.0%}" for k, v in sorted(err.items())))
-        elif (p.get("est") or {}).get("source", "estimate").startswith("estimate"):
+        elif runs_on(p) != "onnxruntime" and (p.get("est") or {}).get("source", "estimate").startswith("estimate"):
             c.print(f"[bold]{p['symbol']}[/] decided from estimates (no measurement: a board target without "
                     "--profile, or --measure off)")
+    if info.get("onnxruntime_ops"):
+        t = Table(title="ONNX nodes run by onnxruntime (neither ACL nor the device's TVM runtime runs them)")
+        t.add_column("op")
+        t.add_column("count")
+        t.add_column("orders")
+        t.add_column("why")
+        for row in info["onnxruntime_ops"]:
+            t.add_row(row["op"], str(row["count"]), ", ".join(row["symbols"]), row["reason"])
+        c.print(t)
     if info["tvm_ops"]:
         t = Table(title="ops left to TVM")
         t.add_column("op")
@@ -138,6 +174,11 @@ def graph_of(mod: tvm.IRModule) -> dict:
             if isinstance(v, relax.Call) and isinstance(v.op, relax.GlobalVar):
                 func = mod[v.op]
                 symbol = str(func.attrs["global_symbol"]) if func.attrs and "global_symbol" in func.attrs else v.op.name_hint
+                if func.attrs is not None and func.attrs.get("Codegen") == hatch.CODEGEN:   # an onnxruntime order
+                    nodes.append({"label": "onnxruntime", "where": symbol})
+                    edges.extend([s, len(nodes) - 1] for s in sources(v.args))
+                    producer[b.var] = len(nodes) - 1
+                    continue
                 inner = _region_nodes(func, symbol, sources(v.args), nodes, edges)
                 producer[b.var] = inner
             elif isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op):
@@ -204,7 +245,8 @@ def draw_svg(bundle: hmod.Bundle, path: Path) -> None:
         out.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" fill="{color[n["where"]]}"/>'
                    f'<text x="{x + 6}" y="{y + 17}" fill="white">{escape(n["label"][:22])}</text>')
     lx = width - 210
-    for k, (name, col) in enumerate([("TVM", color["tvm"])] + [(f"ACL {s}", color[s]) for s in symbols]):
+    where = {p["symbol"]: runs_on(p) for p in bundle.manifest.get("partitions") or ()}
+    for k, (name, col) in enumerate([("TVM", color["tvm"])] + [(f"{where.get(s, 'ACL')} {s}", color[s]) for s in symbols]):
         out.append(f'<rect x="{lx}" y="{gy + k * 20}" width="14" height="14" fill="{col}"/>'
                    f'<text x="{lx + 20}" y="{gy + k * 20 + 12}">{escape(name)}</text>')
     out.append("</svg>")

@@ -21,17 +21,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # 1: float32 tensors only. 2: tensors and weights may also be quantized (int8/uint8 activations,
-# int8 weights, int32 biases, each with a ``quant`` object; QUANT below). The compiler writes 1 for
-# an order without quantized tensors, so agents that know only 1 still run float bundles, and
-# refuse a quantized order instead of computing it as floats.
-ORDER_VERSION = 2
-ORDER_VERSIONS = (1, 2)
+# int8 weights, int32 biases, each with a ``quant`` object; QUANT below). 3: the order may be of
+# kind "onnx" (KINDS). The compiler writes the lowest version that describes the order (1 for a
+# float layer list), so agents that know only 1 still run float bundles, and an agent refuses a
+# quantized or onnx order it cannot read instead of computing something else.
+ORDER_VERSION = 3
+ORDER_VERSIONS = (1, 2, 3)
+QUANT_ORDER_VERSION = 2
+ONNX_ORDER_VERSION = 3
 
 # What runs an order on a device (the agent's executor registry implements each; profiles and the
 # manifest's executor hints name them). FALLBACK is the order compiled by TVM alone: it runs
 # anywhere, so delegating *to* it gains nothing over leaving the subgraph in TVM.
 EXECUTORS = ("armnn", "onnxruntime", "tvm")
 FALLBACK = "tvm"
+
+# What an order holds (its ``kind``; absent: "layers"), and the executors that can run each kind.
+# "layers": ``ops`` from OPS below, which every executor builds. "onnx": a piece of the source model
+# that neither ACL nor the device's TVM runtime can run (an op TVM's importer lacks, or one TVM
+# lowers to a function only its compiler library registers); ``ops`` is empty, ``onnx_ops`` lists
+# the ONNX op types, and the order's ONNX rendering (the original nodes) is all there is to run.
+KINDS: dict[str, tuple[str, ...]] = {"layers": EXECUTORS, "onnx": ("onnxruntime",)}
+
+
+def kind_of(order: Mapping) -> str:
+    return str(order.get("kind") or "layers")
+
+
+def refuses(executor: str, order: Mapping) -> str | None:
+    """None when ``executor`` can run ``order``'s kind, else a one-line reason."""
+    kind = kind_of(order)
+    runners = KINDS.get(kind)
+    if runners is None:
+        return f"order kind {kind!r} is unknown to this agent (known: {', '.join(KINDS)})"
+    if executor in runners:
+        return None
+    ops = ", ".join(order.get("onnx_ops") or ()) or kind
+    return f"an {kind} order ({ops}) runs on {', '.join(runners)} only"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import traceback
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -255,7 +256,8 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             finally:
                 if staged != Path(out):
                     staged.unlink(missing_ok=True)
-    kept = [x for x in p["partitions"] if x["delegate"]]
+    kept = [x for x in p["partitions"] if x["delegate"] and x.get("kind") != "onnx"]
+    ort_ops = Counter(o.removeprefix("onnx.") for x in p["partitions"] if x.get("kind") == "onnx" for o in x["ops"])
     share = p.get("flops_delegated", 0) / p["flops_total"] if p.get("flops_total") else 0.0
     for note in p.get("notes") or ():
         console.print(f"[yellow]note[/] {note}")
@@ -263,7 +265,10 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
         f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL"
         + (f" ({p['flops_delegated_int8'] / p['flops_total']:.1%} as INT8)" if p.get("flops_delegated_int8") else "")
         + " in "
-        f"{len(kept)} subgraph(s), {p['layout_transposes']} layout transpose(s), targets "
+        f"{len(kept)} subgraph(s), "
+        + (f"{sum(ort_ops.values())} ONNX node(s) to onnxruntime ({', '.join(f'{k} x{v}' for k, v in ort_ops.most_common())}), "
+           if ort_ops else "")
+        + f"{p['layout_transposes']} layout transpose(s), targets "
         f"{', '.join(sorted(p['targets'], key=lambda t: t != 'host'))}, "
         f"predicted speedup {p['predicted_speedup']:.2f}x" + (", signed" if key else "")
         + f", decided from {_decided_from(p)}" + ("" if opts.check else ", NOT self-checked (--no-check)")
@@ -283,7 +288,7 @@ def _print_timings(times: dict[str, float]) -> None:
 
 
 def _decided_from(manifest: dict) -> str:
-    sources = {(x.get("est") or {}).get("source", "estimate") for x in manifest["partitions"]}
+    sources = {(x.get("est") or {}).get("source", "estimate") for x in manifest["partitions"] if x.get("kind") != "onnx"}
     if not sources:
         return "nothing (no candidate subgraph)"
     return " and ".join(sorted("estimates" if s.startswith("estimate") else s for s in sources))

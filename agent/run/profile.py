@@ -79,12 +79,15 @@ def _median_us(ns: list[int]) -> float:
 
 
 def _random(spec: dict, rng) -> np.ndarray:
-    """An input for an order tensor: every code of a quantized (int8/uint8) one, noise for float32."""
+    """An input for an order tensor: every code of a quantized (int8/uint8) one, noise for floats,
+    zeros for the other dtypes an onnx order's tensors may have (int64 indices: 0 is always one)."""
     dtype = spec.get("dtype", "float32")
-    if dtype in orders.QUANT_DTYPES:
+    if dtype in orders.QUANT_DTYPES and spec.get("quant") is not None:
         lo, hi = orders.QUANT_DTYPES[dtype]
         return rng.integers(lo, hi + 1, spec["shape"]).astype(dtype)
-    return rng.standard_normal(spec["shape"]).astype(np.float32)
+    if np.dtype(dtype).kind != "f":
+        return np.zeros(spec["shape"], dtype)
+    return rng.standard_normal(spec["shape"]).astype(dtype)
 
 
 def _measure_executor(ex, order: dict, runs: int, warmup: int, rng) -> dict:

@@ -556,6 +556,8 @@ def test_bad_weights_and_version():
     with pytest.raises(ValueError, match="blob"):
         order_to_onnx(order, blob[:-4])
     with pytest.raises(ValueError, match="order_version"):
-        order_to_onnx({**order, "order_version": 3}, blob)
+        order_to_onnx({**order, "order_version": 4}, blob)
+    with pytest.raises(ValueError, match="kind 'onnx'"):      # an onnxruntime order is ONNX already
+        order_to_onnx({**order, "order_version": 3, "kind": "onnx"}, blob)
     # a float order may say version 2 (what a quantized order says): the rendering is the same
     assert order_to_onnx({**order, "order_version": 2}, blob).graph.node

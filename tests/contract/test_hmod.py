@@ -322,6 +322,16 @@ def test_order_version(tmp_path: Path) -> None:
         b.order("demo_acl_0")
 
 
+def test_an_order_kind_says_which_executors_may_run_it() -> None:
+    from tandoor_contract import orders
+
+    layers, onnx_order = dict(ORDER), {**ORDER, "order_version": 3, "kind": "onnx", "onnx_ops": ["LSTM"]}
+    assert all(orders.refuses(e, layers) is None for e in orders.EXECUTORS)
+    assert orders.refuses("onnxruntime", onnx_order) is None
+    assert orders.refuses("armnn", onnx_order) == "an onnx order (LSTM) runs on onnxruntime only"
+    assert "unknown to this agent" in orders.refuses("onnxruntime", {**ORDER, "kind": "tflite"})
+
+
 def test_no_lib_for_arch(tmp_path: Path) -> None:
     out = _write(tmp_path, manifest=_manifest(arch=OTHER_ARCH))
     with hmod.open_bundle(out) as b:

@@ -165,6 +165,8 @@ def build(kind: str, ctx: BuildContext):
         k = REGISTRY[kind]
     except KeyError:
         raise Unavailable(f"unknown executor {kind!r}; choose from {', '.join(CHOICES)}") from None
+    if why := orders.refuses(kind, ctx.order):
+        raise Unavailable(why)
     return k.build(ctx)
 
 

@@ -26,7 +26,10 @@ def available() -> tuple[bool, str]:
 
 
 # an order dtype -> the type onnxruntime names for an ONNX graph's input/output of it
-_ORT_TYPES = {"float32": "tensor(float)", "int8": "tensor(int8)", "uint8": "tensor(uint8)", "int32": "tensor(int32)"}
+# (an onnx order, contract/orders.py KINDS, carries the source model's own dtypes: TopK's int64 indices)
+_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "float64": "tensor(double)",
+              "int8": "tensor(int8)", "uint8": "tensor(uint8)", "int16": "tensor(int16)", "int32": "tensor(int32)",
+              "int64": "tensor(int64)", "bool": "tensor(bool)"}
 
 
 def _bindable(a: np.ndarray, dtype: np.dtype) -> bool:
