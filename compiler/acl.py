@@ -15,6 +15,9 @@ The constraints follow Arm NN 20.08 / ACL and TVM v0.19's ACL integration:
     NEDepthwiseConvolutionLayer; other grouped convolutions have no Arm NN 20.08 layer;
   - pools in NHWC with padding smaller than the window (ACL's pooling validation);
   - resize nearest/bilinear in NHWC, with the coordinate modes whose index maps equal ACL's.
+Each entry names the first Arm NN release that builds it (``since``, default 20.08: a layer of its
+own or layers 20.08 has); one that no release in ARMNN_RELEASES has matches nothing (GELU's erf
+form, an Arm NN layer since 23.11), so its op stays in TVM as one fused kernel.
 """
 
 from __future__ import annotations
