@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -249,6 +250,19 @@ def test_every_plan_for_a_rank5_pair_equals_numpys_reshape_transpose_reshape():
                         np.testing.assert_array_equal(got, x.reshape(s5).transpose(p).reshape(out))
                         made += 1
     assert made > 1000     # the channel shuffles, and every pair that is a plain transpose
+
+
+def test_shufflenet_from_onnxs_wheel_keeps_no_rank5_op_and_no_inner_layout_transpose(tmp_path):
+    """A real export (onnx's model-zoo ShuffleNet, placeholder weights, IR 3): 16 rank-5 channel
+    shuffles. Before the fold: 20 regions, 34 layout transposes, 117 boundaries, reshapes and
+    transposes in TVM; now only its grouped convolutions (no Arm NN layer) stay in TVM."""
+    src = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / "light_shufflenet.onnx"
+    _, out, man = compiled(tmp_path, "shufflenet", src.read_bytes())
+    assert {o["op"] for o in man["tvm_ops"]} == {"nn.conv2d"}
+    assert all("grouped convolution" in o["reason"] for o in man["tvm_ops"])
+    assert man["layout_transposes"] == 2                  # the input's and the output's
+    assert len(regions(man)) <= 16 and man["boundaries"] <= 85
+    verify(src, out, "onnxruntime")
 
 
 # --- the boundary count in inspect -----------------------------------------------------------------
