@@ -77,8 +77,8 @@ def _fp32(e: relax.Expr) -> bool:
 
 # --- GELU ------------------------------------------------------------------------------------
 
-def _gelu_tail(x: DFPattern, inner: DFPattern, half: DFPattern) -> DFPattern:
-    """x * (inner + 1) * 0.5 in the associations exporters write."""
+def _gelu_tail(x: DFPattern, inner: DFPattern, half: DFPattern) -> tuple[DFPattern, DFPattern]:
+    """x * (inner + 1) * 0.5 in the associations exporters write, and the pattern of the 1."""
     one = is_const()
     phi2 = _add(inner, one)
     return (_mul(_mul(x, phi2), half) | _mul(x, _mul(phi2, half)) | _mul(_mul(x, half), phi2)), one
