@@ -15,13 +15,16 @@ The constraints follow Arm NN 20.08 / ACL and TVM v0.19's ACL integration:
     NEDepthwiseConvolutionLayer; other grouped convolutions have no Arm NN 20.08 layer;
   - pools in NHWC with padding smaller than the window (ACL's pooling validation);
   - resize nearest/bilinear in NHWC, with the coordinate modes whose index maps equal ACL's.
+Each entry names the first Arm NN release that builds it (``since``, default 20.08: a layer of its
+own or layers 20.08 has); one that no release in ARMNN_RELEASES has matches nothing (GELU's erf
+form, an Arm NN layer since 23.11), so its op stays in TVM as one fused kernel.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import tvm
@@ -85,6 +88,26 @@ class Entry:
     rules: tuple[Rule, ...]
     emit: Emit
     doc: str = ""
+    # the first Arm NN release that builds this order op (a layer of its own, or layers 20.08 has):
+    # an entry newer than every release in ARMNN_RELEASES is refused, so its op stays in TVM
+    since: str = "20.08"
+
+
+# The Arm NN releases the agent's armnn executor speaks (the last ones with a Python binding; Debian
+# 12 and 13). The executor refuses an order op its release lacks (agent/run/executors/armnn.py).
+ARMNN_RELEASES = ("20.08", "23.08")
+
+
+def _release(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def release_reason(what: str, since: str) -> str | None:
+    """Why ``what`` cannot be delegated when no board's Arm NN has it yet (None when one has)."""
+    if _release(since) <= max(_release(r) for r in ARMNN_RELEASES):
+        return None
+    return (f"{what} is an Arm NN layer only since {since}; the Arm NN releases Tandoor's boards run "
+            f"({', '.join(ARMNN_RELEASES)}) lack it")
 
 
 @dataclass(frozen=True)
@@ -314,6 +337,25 @@ def check_resize(call: relax.Call) -> str | None:
 
 NEAREST_OK = {("asymmetric", "floor"), ("half_pixel", "round_prefer_ceil"), ("align_corners", "round_prefer_ceil"),
               ("tf_half_pixel_for_nn", "floor")}
+
+
+def check_gelu(call: relax.Call) -> str | None:
+    return release_reason("GELU (erf)", GELU_SINCE) or _fp32(call.args[0])
+
+
+GELU_SINCE = "23.11"      # ActivationFunction::Gelu (Arm NN 23.11 release notes)
+
+
+def check_layer_norm(call: relax.Call) -> str | None:
+    x, gamma, beta = call.args[0], call.args[1], call.args[2]
+    if r := _fp32(x, gamma, beta):
+        return r
+    rank = len(_shape(x))
+    if sorted(int(a) % rank for a in call.attrs.axes) != [rank - 1]:
+        return "layer norm over axes other than the last: orders normalise the last axis only"
+    if not (_is_const(gamma) and _is_const(beta)):
+        return "layer norm with a non-constant gamma or beta"
+    return None
 
 
 def check_transpose(call: relax.Call) -> str | None:
@@ -579,8 +621,8 @@ def emit_activation(m: Match) -> list[dict]:
         alpha = next(_const(x) for x in mul.args if _is_const(x))
         act = {"kind": "hardsigmoid", "alpha": float(alpha.reshape(())),
                "beta": float(_const(m.call("relax.add").args[1]).reshape(()))}
-    elif v == "silu":
-        act = {"kind": "silu"}
+    elif v in ("silu", "gelu", "gelu_tanh"):
+        act = {"kind": v}
     else:
         act = EPILOGUES[{"leaky_relu": "leakyrelu"}.get(v, v)].write(m)
     return [_op(m, "activation", _first_param(m), {"activation": act})]
@@ -652,6 +694,14 @@ def emit_resize2d(m: Match) -> list[dict]:
         "method": "nearest" if a.method == "nearest_neighbor" else "linear",
         "coordinate_transformation_mode": str(a.coordinate_transformation_mode),
         "rounding_method": str(a.rounding_method), "size": _shape(m.root)[1:3]})]
+
+
+def emit_layer_norm(m: Match) -> list[dict]:
+    call = m.root
+    c = _shape(call)[-1]
+    weights = {role: m.add_weight(np.broadcast_to(_const(arg).reshape(-1), (c,)).astype(np.float32), role)
+               for role, arg in (("gamma", call.args[1]), ("beta", call.args[2]))}
+    return [_op(m, "layer_norm", _first_param(m), {"epsilon": float(call.attrs.epsilon)}, weights)]
 
 
 def emit_transpose(m: Match) -> list[dict]:
@@ -832,6 +882,12 @@ def _entries() -> list[Entry]:
               "hard-swish written out as ops"),
         Entry("hardsigmoid", "activation", (_hardsigmoid_rule(),), emit_activation, "clip(a*x + b, 0, 1)"),
         Entry("silu", "activation", (_silu_rule(),), emit_activation, "x * sigmoid(x) written out"),
+        Entry("gelu", "activation", (_single("gelu", "relax.nn.gelu", check_gelu),), emit_activation,
+              "GELU, erf form (ONNX Gelu, or written out: compiler/written_out.py)", since=GELU_SINCE),
+        Entry("gelu_tanh", "activation", (_single("gelu_tanh", "relax.nn.gelu_tanh", check_unary),), emit_activation,
+              "GELU, tanh form (built from multiply, add and tanh layers)"),
+        Entry("layer_norm", "layer_norm", (_single("layer_norm", "relax.nn.layer_norm", check_layer_norm, 3),),
+              emit_layer_norm, "LayerNormalization over the last axis (built from mean, subtract, rsqrt layers)"),
         Entry("activation", "activation", (
             _single("relu", "relax.nn.relu", check_unary),
             _single("clip", "relax.clip", check_unary, 3),
@@ -868,7 +924,16 @@ def _entries() -> list[Entry]:
     ]
 
 
-ENTRIES: list[Entry] = _entries()
+def _gated(e: Entry) -> Entry:
+    """An entry no board's Arm NN can build yet matches nothing: its ops stay in TVM, and a board
+    release that has the layer (ARMNN_RELEASES) delegates them with no other change."""
+    reason = release_reason(e.name, e.since)
+    if reason is None:
+        return e
+    return replace(e, rules=tuple(replace(r, check=lambda ann, reason=reason: reason) for r in e.rules))
+
+
+ENTRIES: list[Entry] = [_gated(e) for e in _entries()]
 _BY_RULE: dict[str, Entry] = {r.name: e for e in ENTRIES for r in e.rules}
 assert all(e.order_type in orders.OPS for e in ENTRIES), "an ACL entry names an op type the contract lacks"
 
@@ -935,6 +1000,9 @@ RELAX_OPS: dict[str, RelaxOp] = {
     **{op: RelaxOp(check_unary) for op in ("relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh",
                                            "relax.nn.leakyrelu")},
     "relax.nn.prelu": RelaxOp(check_prelu),
+    "relax.nn.gelu": RelaxOp(check_gelu),
+    "relax.nn.gelu_tanh": RelaxOp(check_unary),
+    "relax.nn.layer_norm": RelaxOp(check_layer_norm, "heavy", lambda c: 8.0 * _numel(_shape(c))),
 }
 
 

@@ -258,7 +258,26 @@ class _Renderer:
         if kind == "silu":
             s = self.node("Sigmoid", [x], self.fresh(f"{y}__sigmoid"))
             return self.node("Mul", [x, s], y)
+        if kind in ("gelu", "gelu_tanh"):    # ONNX Gelu is opset 20: written out at opset 17
+            return self.gelu(x, y, kind == "gelu_tanh")
         raise ValueError(f"activation kind {kind!r} has no ONNX rendering")
+
+    def gelu(self, x: str, y: str, tanh: bool) -> str:
+        """x * (1 + erf(x / sqrt 2)) / 2, or with tanh(sqrt(2/pi) * (x + 0.044715 x^3)) inside."""
+        def c(v: float, tag: str) -> str:
+            return self.const(np.array(v, np.float32), f"{y}__{tag}")
+
+        def step(op: str, ins: list[str], tag: str) -> str:
+            return self.node(op, ins, self.fresh(f"{y}__{tag}"))
+
+        if tanh:
+            cube = step("Mul", [step("Mul", [x, x], "sq"), x], "cube")
+            inner = step("Add", [x, step("Mul", [cube, c(0.044715, "a")], "acube")], "inner")
+            phi = step("Tanh", [step("Mul", [inner, c(np.sqrt(2 / np.pi), "k")], "scaled")], "tanh")
+        else:
+            phi = step("Erf", [step("Div", [x, c(np.sqrt(2.0), "sqrt2")], "scaled")], "erf")
+        half = step("Mul", [x, c(0.5, "half")], "xhalf")
+        return self.node("Mul", [half, step("Add", [phi, c(1.0, "one")], "phi")], y)
 
     def target(self, op: dict, act: dict | None, tag: str) -> str:
         """Where an op writes its value: the output itself, or a temporary if an activation follows."""
@@ -496,6 +515,16 @@ class _Renderer:
 
     def _op_softmax(self, op: dict) -> None:
         self.node("Softmax", [self.nhwc(op["inputs"][0])], self.output(op), axis=int(op["attrs"]["axis"]))
+
+    def _op_layer_norm(self, op: dict) -> None:
+        x = op["inputs"][0]
+        c = self.shape(x)[-1]
+        gamma, beta = self.weight(op, "gamma"), self.weight(op, "beta")
+        for role in ("gamma", "beta"):
+            if list(self.array(op["weights"][role]).shape) != [c]:
+                raise ValueError(f"layer_norm -> {op['output']}: {role} is not one value per channel ({c})")
+        self.node("LayerNormalization", [self.nhwc(x), gamma, beta], self.output(op), axis=-1,
+                  epsilon=float(op["attrs"]["epsilon"]))
 
     def _op_transpose(self, op: dict) -> None:
         self.node("Transpose", [self.nhwc(op["inputs"][0])], self.output(op), perm=[int(p) for p in op["attrs"]["axes"]])

@@ -5,6 +5,8 @@
     batch_norm_to_affine      inference BatchNorm that no conv absorbed -> x * scale + shift
     power_to_multiply         x ** 2 -> x * x (YOLO box decoders); Arm NN has no Pow layer
     constants_right           c * x -> x * c, so that layout inference follows the tensor
+    written_out.fold          GELU (erf, tanh), TF-style LayerNorm and rank-5 channel shuffles
+                              written as chains of small ops -> one op each (compiler/written_out.py)
     FoldBatchnormToConv2D     conv2d -> batch_norm folded (onnxruntime folds most already)
     ConvertLayout             conv2d and conv2d_transpose to NHWC, as ACL wants; TVM carries the
                               layout through elementwise ops, concat, slices, pools and resizes
@@ -22,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
+
+from . import written_out
 
 _LAYOUT_RULES_REGISTERED = False
 
@@ -439,6 +443,7 @@ def optimise(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict]:
     mod = batch_norm_to_affine(mod)
     mod = power_to_multiply(mod)
     mod = constants_right(mod)
+    mod, folded = written_out.fold(mod)
     mod = tvm.transform.Sequential([
         relax.transform.CanonicalizeBindings(),
         relax.transform.FoldConstant(),
@@ -452,7 +457,7 @@ def optimise(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict]:
     mod = cancel_transposes(mod)
     mod = transpose_before_dequantize(mod)
     mod = tvm.transform.Sequential([relax.transform.CanonicalizeBindings(), fold])(mod)
-    return mod, {"layout_transposes": count_layout_transposes(mod)}
+    return mod, {"layout_transposes": count_layout_transposes(mod), "written_out": folded}
 
 
 def legalise_for_tvm(mod: tvm.IRModule) -> tvm.IRModule:

@@ -583,6 +583,7 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
         "profile": plan.measured.manifest_entry() if plan.measured else None,
         "policy": opts.policy,
         "layout_transposes": facts["layout_transposes"],
+        "boundaries": report.boundaries(result.mod),
         "golden": golden,
         "graph": report.graph_of(result.mod),
         "tolerance": tolerance,     # per output and path (tandoor_contract.agreement)

@@ -14,7 +14,7 @@ from tandoor_contract import hmod
 from . import hatch
 
 JSON_KEYS = ("format_version", "model", "targets", "inputs", "outputs", "ops_total", "ops_delegated",
-             "delegation_ratio", "predicted_speedup")
+             "delegation_ratio", "predicted_speedup", "boundaries")
 
 
 def summary(bundle: hmod.Bundle) -> dict:
@@ -91,7 +91,8 @@ def print_summary(info: dict) -> None:
     c.print(f"delegated to ACL: {share}{info['ops_delegated']}/{info['ops_total']} ops "
             f"(ratio {info['delegation_ratio']:.2f}) in {sum(runs_on(p) == 'ACL' for p in info['partitions'])} subgraph(s); "
             f"predicted speedup {info['predicted_speedup']:.2f}x, policy {info['policy']}, "
-            f"layout transposes: {info['layout_transposes']}")
+            f"layout transposes: {info['layout_transposes']}"
+            + (f", ACL/TVM boundaries: {info['boundaries']}" if info.get("boundaries") is not None else ""))
     if q := info.get("quantized"):   # an INT8 QDQ model (compiler/quantize.py)
         c.print(f"INT8 ({q['format']}, {', '.join(f'{k} x{v}' for k, v in q['ops'].items())}): computed in "
                 f"{q['compute']} (atol {info['tolerance']['atol']:.3g})")
@@ -148,6 +149,30 @@ def print_summary(info: dict) -> None:
 
 
 # --- the graph -----------------------------------------------------------------------------------
+
+def boundaries(mod: tvm.IRModule) -> int:
+    """The tensors that cross between ACL and TVM: every distinct non-constant input and every
+    output of every delegated region called from main. Each is one hand-over through the bridge
+    (L_bridge = k * t_copy + t_launch, docs/overview.md): a model cut into more regions, or whose
+    regions take and give more tensors, crosses more often."""
+    k = 0
+    for block in mod["main"].body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if not (isinstance(v, relax.Call) and isinstance(v.op, relax.GlobalVar)):
+                continue
+            func = mod[v.op]
+            if not (isinstance(func, relax.Function) and func.attrs is not None and "Codegen" in func.attrs):
+                continue
+            ins: list = []
+            for a in v.args:
+                for x in (a.fields if isinstance(a, relax.Tuple) else [a]):
+                    if isinstance(x, relax.Var) and not any(x.same_as(y) for y in ins):
+                        ins.append(x)
+            ty = b.var.ty
+            k += len(ins) + (len(ty.fields) if isinstance(ty, relax.TupleType) else 1)
+    return k
+
 
 def graph_of(mod: tvm.IRModule) -> dict:
     """Nodes (one per op, region ops expanded) and edges of the partitioned main function."""

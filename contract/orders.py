@@ -87,6 +87,8 @@ ACTIVATIONS: dict[str, str] = {
     "hardswish": "x * clip(x + 3, 0, 6) / 6",
     "hardsigmoid": "clip(alpha * x + beta, 0, 1) (alpha, beta)",
     "silu": "x * sigmoid(x) (SiLU / Swish-1)",
+    "gelu": "x * (1 + erf(x / sqrt(2))) / 2 (GELU)",
+    "gelu_tanh": "x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))) / 2 (GELU, tanh approximation)",
 }
 
 _ACT = Attr("activation", "null or an activation object (ACTIVATIONS)")
@@ -132,6 +134,9 @@ OPS: dict[str, OpType] = {op.name: op for op in [
                                        "all befores then all afters", True),
                   "value": Attr("float", "the fill value")}),
     OpType("softmax", "softmax over one axis", attrs={"axis": Attr("int", "non-negative", True)}),
+    OpType("layer_norm", "(x - mean) / sqrt(var + epsilon) * gamma + beta, mean and var over the last axis",
+           attrs={"epsilon": Attr("float", "added to the variance", True)},
+           weights={"gamma": "[C], C the last axis", "beta": "[C]"}),
     OpType("resize2d", "spatial resize, NHWC",
            attrs={"method": Attr("str", "nearest or linear", True, ("nearest", "linear")),
                   "coordinate_transformation_mode": Attr("str", "TVM/ONNX coordinate mode"),

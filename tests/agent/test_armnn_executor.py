@@ -317,10 +317,42 @@ def test_activation(act, ref):
 def test_unknown_activation_is_refused():
     o = Order()
     o.input("x", [1, 4])
+    o.op("activation", ["x"], "y", [1, 4], {"activation": {"kind": "mish"}})
+    order, blob = o.build(["y"])
+    with pytest.raises(ax.UnsupportedOrder, match="mish"):
+        ax.ArmnnExecutor(order, blob)
+
+
+def test_gelu_erf_is_refused_naming_the_release_that_has_it():
+    o = Order()
+    o.input("x", [1, 4])
     o.op("activation", ["x"], "y", [1, 4], {"activation": {"kind": "gelu"}})
     order, blob = o.build(["y"])
-    with pytest.raises(ax.UnsupportedOrder, match="gelu"):
+    with pytest.raises(ax.UnsupportedOrder, match=rf"GELU layer only since 23.11, this is {ax.api().release}"):
         ax.ArmnnExecutor(order, blob)
+
+
+def test_gelu_tanh_built_from_layers_matches_onnxruntime_gelu():
+    x = (rand(1, 5, 6, 7) * 3).astype(np.float32)
+    o = Order()
+    o.input("x", x.shape)
+    o.op("activation", ["x"], "y", x.shape, {"activation": {"kind": "gelu_tanh"}})
+    want = onnx_run([helper.make_node("Gelu", ["x"], ["y"], approximate="tanh")], {"x": x}, opset=20)[0]
+    close(run_order(o, ["y"], [x])[0], want)
+
+
+@pytest.mark.parametrize("shape", [[1, 10, 16], [1, 4, 4, 8], [3, 32]])
+def test_layer_norm_matches_onnxruntime(shape):
+    x = (rand(*shape) * 3 + 1).astype(np.float32)
+    c = shape[-1]
+    gamma, beta = rand(c) * 0.5 + 1, rand(c) * 0.2
+    o = Order()
+    o.input("x", shape)
+    o.op("layer_norm", ["x"], "y", shape, {"epsilon": 1e-5},
+         {"gamma": o.weight("g", gamma), "beta": o.weight("b", beta)})
+    want = onnx_run([helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1, epsilon=1e-5)],
+                    {"x": x}, {"g": gamma, "b": beta})[0]
+    close(run_order(o, ["y"], [x])[0], want)
 
 
 # --- pooling ----------------------------------------------------------------------------------

@@ -113,6 +113,21 @@ def activation() -> Graph:
     g.out(g.op("HardSwish", "x"))
     g.out(g.op("HardSigmoid", "x", alpha=0.2, beta=0.5))
     g.out(g.op("Mul", "x", g.op("Sigmoid", "x")))   # SiLU written out, as exporters write it
+    # GELU's tanh form written out (BERT-style exports); its erf form has no Arm NN layer before 23.11
+    inner = g.op("Add", "x", g.op("Mul", g.op("Pow", "x", g.const(np.float32(3))), g.const(np.float32(0.044715))))
+    t = g.op("Tanh", g.op("Mul", inner, g.const(np.float32(np.sqrt(2 / np.pi)))))
+    g.out(g.op("Mul", g.op("Mul", "x", g.const(np.float32(0.5))), g.op("Add", t, g.const(np.float32(1)))))
+    return g
+
+
+def layer_norm() -> Graph:
+    g = Graph("layer_norm", {"v": [1, 10, 16]})
+    g.out(g.op("LayerNormalization", "v", g.w(16), g.w(16), axis=-1, epsilon=1e-5))
+    # TF style, written out: mean, centre, mean square, + eps, sqrt, reciprocal, * gamma + beta
+    d = g.op("Sub", "v", g.op("ReduceMean", "v", axes=[-1]))
+    var = g.op("ReduceMean", g.op("Pow", d, g.const(np.float32(2))), axes=[-1])
+    r = g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const(np.float32(1e-3)))))
+    g.out(g.op("Add", g.op("Mul", g.op("Mul", d, r), g.w(16)), g.w(16)))
     return g
 
 
@@ -219,4 +234,4 @@ def resize2d() -> Graph:
 
 MODELS: dict[str, Callable[[], Graph]] = {f.__name__: f for f in (
     conv2d, conv2d_transpose, dense, activation, prelu, pool2d, global_pool2d, binary, concat, reshape,
-    transpose, strided_slice, pad, softmax, resize2d)}
+    transpose, strided_slice, pad, softmax, resize2d, layer_norm)}

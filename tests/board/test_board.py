@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 from support.cli import ROOT, compiled, manifest_of, run_cli
+from tandoor_compiler import acl
 from tandoor_contract import hmod, orders
 from tandoor_zoo import models as zoo
 
@@ -213,7 +214,10 @@ def test_op_models_cover_the_order_vocabulary(op_bundles):
             if o["type"] == "binary":
                 binaries.add(a["kind"])
     assert types == set(orders.OPS)
-    assert acts == set(orders.ACTIVATIONS), f"activation kinds never built: {set(orders.ACTIVATIONS) - acts}"
+    # an activation no board's Arm NN has (the ACL table's "since", e.g. GELU's erf form) stays in TVM
+    no_board = {e.name for e in acl.ENTRIES if acl.release_reason(e.name, e.since)}
+    want = set(orders.ACTIVATIONS) - no_board
+    assert acts == want, f"activation kinds never built: {want - acts}"
     assert binaries == set(orders.OPS["binary"].attrs["kind"].choices)
 
 

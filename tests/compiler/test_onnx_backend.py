@@ -27,7 +27,7 @@ VISION = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool"
           "PRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Clip", "Add", "Sub", "Mul", "Div", "Max", "Min",
           "Concat", "Split", "Slice", "Pad", "Resize", "Softmax", "BatchNormalization", "Reshape", "Transpose",
           "Flatten", "Squeeze", "Unsqueeze", "Gemm", "MatMul", "ReduceMean", "Pow", "Upsample", "Sum", "Mean",
-          "Identity", "Dropout", "Elu", "Exp", "Sqrt", "Neg", "Abs", "DepthToSpace", "SpaceToDepth", "Mish"}
+          "Identity", "Dropout", "Elu", "Exp", "Sqrt", "Neg", "Abs", "DepthToSpace", "SpaceToDepth", "Mish", "Gelu", "Erf"}
 PYTORCH_CONVERTED = ("test_Conv2d", "test_ConvTranspose2d", "test_MaxPool2d", "test_AvgPool2d", "test_BatchNorm2d",
                      "test_PReLU_2d", "test_ReLU", "test_LeakyReLU", "test_Sigmoid", "test_Tanh", "test_Softmax",
                      "test_ZeroPad2d", "test_ConstantPad2d", "test_PixelShuffle", "test_Linear", "test_ELU",

@@ -6,6 +6,8 @@ from ONNX: convolution as a sum of shifted einsums, pooling and resizing as expl
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -390,6 +392,38 @@ def test_transpose(axes):
     close(got, want)
 
 
+# --- GELU, layer_norm ----------------------------------------------------------------------------
+
+_ERF = np.vectorize(math.erf)
+GELUS = {"gelu": lambda x: 0.5 * x * (1 + _ERF(x / math.sqrt(2))),
+         "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))}
+
+
+@pytest.mark.parametrize("kind", sorted(GELUS))
+def test_gelu_activation_written_out_at_opset_17(kind):
+    x = rnd(1, 3, 4, 5) * 3
+    ob = Order()
+    ob.input("in0", x.shape)
+    ob.op("activation", ["in0"], "t1", x.shape, {"activation": {"kind": kind}})
+    order, blob = ob.build("t1")
+    (got,) = run(order, blob, x)
+    close(got, GELUS[kind](x.astype(np.float64)))
+    assert ("Erf" in op_types(order, blob)) == (kind == "gelu")
+
+
+@pytest.mark.parametrize("shape", [(1, 10, 16), (1, 3, 4, 8)])
+def test_layer_norm(shape):
+    x = rnd(*shape) * 2 + 1
+    gamma, beta = rnd(shape[-1], seed=1), rnd(shape[-1], seed=2)
+    ob = Order()
+    ob.input("in0", shape)
+    ob.op("layer_norm", ["in0"], "t1", shape, {"epsilon": 1e-3}, {"gamma": gamma, "beta": beta})
+    (got,) = run(*ob.build("t1"), x)
+    x64 = x.astype(np.float64)
+    mu, var = x64.mean(-1, keepdims=True), x64.var(-1, keepdims=True)
+    close(got, (x64 - mu) / np.sqrt(var + 1e-3) * gamma + beta)
+
+
 # --- resize2d ------------------------------------------------------------------------------------
 
 RESIZE_SHAPES = [((1, 4, 5, 3), (8, 10)), ((1, 5, 7, 2), (3, 4)), ((2, 3, 3, 2), (5, 5)), ((1, 6, 4, 1), (9, 7)),
@@ -536,7 +570,7 @@ def _one_op(type_, attrs, weights=None, shape=(1, 4, 4, 3)):
 
 @pytest.mark.parametrize("type_,attrs,match", [
     ("lrn", {}, "'lrn'"),
-    ("activation", {"activation": {"kind": "gelu"}}, "'gelu'"),
+    ("activation", {"activation": {"kind": "mish"}}, "'mish'"),
     ("pool2d", {"kind": "l2", "pool_size": [2, 2]}, "'l2'"),
     ("global_pool2d", {"kind": "l2"}, "'l2'"),
     ("binary", {"kind": "pow"}, "'pow'"),

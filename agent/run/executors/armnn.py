@@ -97,6 +97,10 @@ class Api:
     # into the concat's output (sub-tensors; YOLOX from its first concat on, 88% wrong): a second
     # reader of one input (a scratch network output) makes it concatenate by copying instead
     concat_by_copy: bool = False
+    # ActivationFunction::Gelu (erf form), an Arm NN layer since 23.11 (compiler/acl.py GELU_SINCE):
+    # no release with a Python binding has it, so a "gelu" activation is refused and the order
+    # falls back; "gelu_tanh" is built from Multiplication, Addition and TanH layers everywhere
+    gelu: bool = False
 
 
 APIS: dict[str, Api] = {
@@ -836,6 +840,20 @@ class ArmnnExecutor:
             slot.Connect(layer.GetInputSlot(0))
             sig.Connect(layer.GetInputSlot(1))
             return self._set(layer, shape=shape)
+        if kind == "gelu" and not self._api.gelu:
+            raise UnsupportedOrder(f"{where}: activation gelu: Arm NN has a GELU layer only since 23.11, "
+                                   f"this is {self._api.release}")
+        if kind == "gelu_tanh":  # x * (0.5 + 0.5 tanh(k * (x + a x^3))): no such Arm NN activation
+            cube = self._elementwise("mul", f"{name}:cube", self._elementwise("mul", f"{name}:sq", slot, slot, shape),
+                                     slot, shape)
+            inner = self._elementwise("add", f"{name}:inner", slot, self._linear(f"{name}:a", cube, shape, 0.044715),
+                                      shape)
+            d = ann.ActivationDescriptor()
+            d.m_Function, d.m_A, d.m_B = ann.ActivationFunction_TanH, 1.0, math.sqrt(2 / math.pi)  # m_A tanh(m_B x)
+            layer = self._net.AddActivationLayer(d, f"{name}:tanh")
+            inner.Connect(layer.GetInputSlot(0))
+            phi = self._linear(f"{name}:phi", self._set(layer, shape=shape), shape, 0.5, 0.5)
+            return self._elementwise("mul", f"{name}:gelu", slot, phi, shape)
         if kind == "hardsigmoid":  # clip(alpha * x + beta, 0, 1): Linear then BoundedReLu
             d = ann.ActivationDescriptor()
             d.m_Function = ann.ActivationFunction_Linear
@@ -874,6 +892,31 @@ class ArmnnExecutor:
         layer = self._net.AddActivationLayer(d, f"{name}:{kind}")
         slot.Connect(layer.GetInputSlot(0))
         return self._set(layer, shape=shape, q=q)
+
+    def _linear(self, name: str, slot, shape, a: float, b: float = 0.0):
+        """a * x + b, an ActivationLayer (Linear)."""
+        ann = self._ann
+        d = ann.ActivationDescriptor()
+        d.m_Function, d.m_A, d.m_B = ann.ActivationFunction_Linear, float(a), float(b)
+        layer = self._net.AddActivationLayer(d, name)
+        slot.Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=shape)
+
+    def _elementwise(self, kind: str, name: str, a, b, shape):
+        """a (kind) b for two slots of one rank (Arm NN broadcasts dims of size 1)."""
+        add = {"add": self._net.AddAdditionLayer, "sub": self._net.AddSubtractionLayer,
+               "mul": self._net.AddMultiplicationLayer}[kind]
+        layer = add(name)
+        a.Connect(layer.GetInputSlot(0))
+        b.Connect(layer.GetInputSlot(1))
+        return self._set(layer, shape=shape)
+
+    def _mean_last(self, name: str, slot, shape):
+        """The mean over the last axis, kept as a size-1 axis."""
+        ann = self._ann
+        layer = self._net.AddMeanLayer(ann.MeanDescriptor([len(shape) - 1], True), name)
+        slot.Connect(layer.GetInputSlot(0))
+        return self._set(layer, shape=[*shape[:-1], 1])
 
     def _copy(self, name: str, slot, shape, q: QType | None = None):
         """The tensor copied by an identity activation (a layer with an input of its own). A
@@ -1070,6 +1113,33 @@ class ArmnnExecutor:
             raise UnsupportedOrder(f"{where}: global pool {list(x)} -> {list(out_shape)} (N,1,1,C expected)")
         return self._pool(where, name, ins[0], x, out_shape, str(attrs.get("kind")), (x[1], x[2]), (1, 1),
                           (0, 0, 0, 0), False, False)
+
+    def _op_layer_norm(self, where, name, ins, in_shapes, out_shape, attrs, wts):
+        """(x - mean) * rsqrt(mean((x - mean)^2) + eps) * gamma + beta over the last axis: Arm NN has
+        no LayerNormalization layer, but Mean, Subtraction, Multiplication, Linear and Rsqrt
+        (ElementwiseUnary) are in every release spoken here."""
+        ann = self._ann
+        self._need_inputs(where, ins, 1)
+        x, shape = ins[0], tuple(in_shapes[0])
+        if tuple(out_shape) != shape:
+            raise UnsupportedOrder(f"{where}: output shape {list(out_shape)} is not the input's {list(shape)}")
+        row = (1,) * (len(shape) - 1) + (shape[-1],)
+        consts = {}
+        for role in ("gamma", "beta"):
+            w = self._weight(wts[role], where)
+            if w.size != shape[-1]:
+                raise UnsupportedOrder(f"{where}: {role} has {w.size} values for {shape[-1]} channels")
+            consts[role] = self._constant_layer(np.asarray(w, np.float32).reshape(row), f"{name}:{role}")
+        stat = [*shape[:-1], 1]
+        d = self._elementwise("sub", f"{name}:centre", x, self._mean_last(f"{name}:mean", x, shape), shape)
+        var = self._mean_last(f"{name}:var", self._elementwise("mul", f"{name}:sq", d, d, shape), shape)
+        ve = self._linear(f"{name}:eps", var, stat, 1.0, float(attrs.get("epsilon", 0.0)))
+        layer = self._net.AddElementwiseUnaryLayer(ann.ElementwiseUnaryDescriptor(ann.UnaryOperation_Rsqrt),
+                                                  f"{name}:rsqrt")
+        ve.Connect(layer.GetInputSlot(0))
+        n = self._elementwise("mul", f"{name}:norm", d, self._set(layer, shape=stat), shape)
+        g = self._elementwise("mul", f"{name}:gamma_mul", n, consts["gamma"], shape)
+        return self._elementwise("add", f"{name}:beta_add", g, consts["beta"], shape)
 
     def _op_binary(self, where, name, ins, in_shapes, out_shape, attrs, wts):
         kind = str(attrs.get("kind"))
