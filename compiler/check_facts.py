@@ -391,7 +391,8 @@ class Reference:
 
     def __init__(self, model: onnx.ModelProto, facts: Facts | None = None, noisy: bool = False):
         """``noisy``: ``run`` also runs :func:`rounding_noise`'s copy and shows its outputs as name + NOISY
-        (what :func:`promise` measures the spread by; one more onnxruntime run per call)."""
+        (what :func:`promise` measures the spread by; one more onnxruntime run per call: 0.4 s more
+        for EfficientNet-Lite0's two golden pairs, 0.7 s for M-LSD's)."""
         import onnxruntime as ort
 
         self.facts = facts or analyse(model)
@@ -416,6 +417,10 @@ class Reference:
         got = self.session.run(None, dict(feeds))
         self.last = {**{k: np.asarray(v) for k, v in feeds.items()}, **dict(zip(self.names, (np.asarray(a) for a in got)))}
         if self.noisy is not None:
-            moved = self.noisy.run(self.facts.names, dict(feeds))
-            self.last.update({n + NOISY: np.asarray(a) for n, a in zip(self.facts.names, moved)})
+            try:
+                moved = self.noisy.run(self.facts.names, dict(feeds))
+            except Exception:    # as above: the reduction's rule alone, never a failed compile
+                self.noisy = None
+            else:
+                self.last.update({n + NOISY: np.asarray(a) for n, a in zip(self.facts.names, moved)})
         return [self.last[n] for n in self.facts.names]
