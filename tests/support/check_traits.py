@@ -1,6 +1,7 @@
 """Tiny generated models (onnx.helper) with the traits that made the compile's self-check and
 `tandoor verify` disagree (issue 29): many equal scores into TopK (and an ArgMax between equal
-maxima), a reduction over a long span, placeholder weights that drive a Softmax's logits to 1e9."""
+maxima), a reduction over a long span, placeholder weights that drive a Softmax's logits to 1e9,
+a deep relu6 conv stack that carries and amplifies every layer's rounding (M-LSD's trait)."""
 
 from __future__ import annotations
 
@@ -101,4 +102,25 @@ def detector_tail(path: Path, n: int = 64, k: int = 16) -> Path:
                           [_const("lo", np.float32(-100)), _const("hi", np.float32(1.0)), _const("k", np.array([k], np.int64)),
                            _const("zero", np.array([0], np.int64)), _const("two", np.array([2], np.int64)),
                            _const("wide", np.array([1, k, 4], np.int64))])
+    return _save(g, path)
+
+
+def deep_relu6(path: Path, layers: int = 20, ch: int = 16, hw: int = 16, gain: float = 4.0) -> Path:
+    """``layers`` 3x3 convs (random weights of gain 4, as BatchNorm folded into MobileNet-style
+    convs leaves them) each clipped to [0, 6]: every conv's rounding is carried through the rest
+    and amplified, so TVM and onnxruntime end 1.6e-2 to 2e-2 apart on outputs up to 60, while each
+    conv alone agrees to a few ulps (M-LSD tiny: 7.5e-3 on outputs up to 81)."""
+    rng = np.random.default_rng(0)
+    nodes, prev, cin = [], "x", 3
+    inits = [_const("lo", np.float32(0)), _const("hi", np.float32(6))]
+    for i in range(layers):
+        inits += [_const(f"w{i}", rng.normal(0, gain / np.sqrt(9 * cin), (ch, cin, 3, 3)).astype(np.float32)),
+                  _const(f"b{i}", rng.normal(0, 0.1, ch).astype(np.float32))]
+        nodes.append(helper.make_node("Conv", [prev, f"w{i}", f"b{i}"], [f"c{i}"], pads=[1, 1, 1, 1]))
+        if i < layers - 1:
+            nodes.append(helper.make_node("Clip", [f"c{i}", "lo", "hi"], [f"r{i}"]))
+        prev, cin = f"r{i}", ch
+    nodes.append(helper.make_node("Identity", [f"c{layers - 1}"], ["y"]))
+    g = helper.make_graph(nodes, "deep_relu6", [helper.make_tensor_value_info("x", T.FLOAT, [1, 3, hw, hw])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, ch, hw, hw])], inits)
     return _save(g, path)
