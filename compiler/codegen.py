@@ -30,7 +30,8 @@ class WeightPacker:
         dtype = np.dtype(array.dtype).name if quant is not None else "float32"
         if dtype not in orders.TENSOR_DTYPES:
             raise CompileError(f"internal: a {dtype} weight ({hint})")
-        array = np.ascontiguousarray(array, dtype=dtype)
+        # not ascontiguousarray: it makes a scalar (a rank-0 Mul/Add constant) a 1-element vector
+        array = np.array(array, dtype=dtype, order="C")
         name = f"w{len(self.table)}_{hint}"
         pad = (-len(self.blob)) % ALIGN
         self.blob += b"\0" * pad

@@ -147,7 +147,7 @@ class _Renderer:
 
     def const(self, array: np.ndarray, base: str) -> str:
         name = self.fresh(base)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        self.inits.append(numpy_helper.from_array(np.array(array, order="C"), name))  # rank 0 stays rank 0
         return name
 
     def weight(self, op: dict, role: str, transform=None, tag: str = "", perm: list[int] | None = None) -> str | None:
@@ -171,7 +171,7 @@ class _Renderer:
                 self.cache[key] = self.const(a, f"{name}__{tag}")
             else:
                 self.taken.add(name)
-                self.inits.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
+                self.inits.append(numpy_helper.from_array(np.array(a, order="C"), name))
                 self.cache[key] = name
         return self.cache[key]
 

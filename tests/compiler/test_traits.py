@@ -323,3 +323,16 @@ def test_a_bundle_given_where_a_model_is_expected_is_named_so(tmp_path):
         assert r.returncode == 2 and "a Tandoor bundle, not an ONNX model" in r.stderr, r.stderr
         assert [ln for ln in r.stderr.splitlines() if "error" in ln] == [r.stderr.strip().splitlines()[-1]]
         assert "Traceback" not in r.stderr
+
+
+def test_a_scalar_constant_in_a_delegated_region_stays_a_scalar(tmp_path):
+    """A reduction to a scalar (keepdims=0 over every axis) scaled by scalar constants: the order's
+    weights keep rank 0 (numpy's ascontiguousarray made them 1-element vectors, and the order's
+    ONNX rendering failed onnx's checker: an internal error in codegen)."""
+    m = model([N("ReduceMax", ["x"], ["m"], axes=[0, 1, 2], keepdims=0), N("Mul", ["m", "half"], ["z"]),
+               N("Add", ["z", "three"], ["t"]), N("Reshape", ["t", "one"], ["y"])],
+              {"x": [3, 1, 4]}, {"y": [1]},
+              {"half": np.float32(0.5), "three": np.float32(3.0), "one": np.array([1], np.int64)}, opset=17)
+    assert_compiles_and_matches(tmp_path, "scalar", m, "--policy", "all")
+    order = next(iter(manifest_of(tmp_path / "scalar.hmod")["partitions"]))
+    assert order["delegate"], order
