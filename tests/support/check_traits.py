@@ -85,10 +85,13 @@ def placeholder_softmax(path: Path, layers: int = 10, ch: int = 64) -> Path:
     return _save(g, path)
 
 
-def detector_tail(path: Path, n: int = 64, k: int = 16) -> Path:
-    """A detector's tail: TopK(k) of min(x, 1), then boxes b [1, n, 4] taken by the indices two
-    ways: squeezed and Gather (-> [k, 4]), and unsqueezed, expanded and GatherElements (-> [1, k, 4])."""
-    nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["s"]),
+def detector_tail(path: Path, n: int = 64, k: int = 16, gain: float | None = None) -> Path:
+    """A detector's tail: TopK(k) of min(x, 1) (or, with ``gain``, of sigmoid(gain x): near ties
+    that one rounding reorders), then boxes b [1, n, 4] taken by the indices two ways: squeezed and
+    Gather (-> [k, 4]), and unsqueezed, expanded and GatherElements (-> [1, k, 4])."""
+    scoring = ([helper.make_node("Clip", ["x", "lo", "hi"], ["s"])] if gain is None else
+               [helper.make_node("Mul", ["x", "gain"], ["xs"]), helper.make_node("Sigmoid", ["xs"], ["s"])])
+    nodes = scoring + [
              helper.make_node("TopK", ["s", "k"], ["vals", "idx"], axis=1),
              helper.make_node("Squeeze", ["idx", "zero"], ["idx1"]), helper.make_node("Squeeze", ["b", "zero"], ["b1"]),
              helper.make_node("Gather", ["b1", "idx1"], ["boxes"], axis=0),
@@ -101,7 +104,8 @@ def detector_tail(path: Path, n: int = 64, k: int = 16) -> Path:
                            helper.make_tensor_value_info("boxes3", T.FLOAT, [1, k, 4])],
                           [_const("lo", np.float32(-100)), _const("hi", np.float32(1.0)), _const("k", np.array([k], np.int64)),
                            _const("zero", np.array([0], np.int64)), _const("two", np.array([2], np.int64)),
-                           _const("wide", np.array([1, k, 4], np.int64))])
+                           _const("wide", np.array([1, k, 4], np.int64))]
+                          + ([] if gain is None else [_const("gain", np.float32(gain))]))
     return _save(g, path)
 
 
