@@ -501,7 +501,10 @@ def fp16_to_fp32(model: onnx.ModelProto, ctx: Context) -> None:
     for node in g.node:
         to = next((a.i for a in node.attribute if a.name == "to"), None)
         if node.op_type == "Cast" and (to == F16 or (to == F32 and types.get(node.input[0]) == F16)):
-            nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+            if types.get(node.input[0]) in (F16, F32):   # float to float: nothing left to do
+                nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+            else:   # a uint8 camera input (or any integer) cast to fp16 still needs its Cast, to fp32
+                nodes.append(onnx.helper.make_node("Cast", [node.input[0]], [node.output[0]], name=node.name, to=F32))
             casts += 1
             continue
         for a in node.attribute:    # ConstantOfShape's value, EyeLike's and the Random ops' dtype

@@ -354,3 +354,22 @@ def test_an_fp16_model_with_fp16_inputs_and_outputs_is_an_fp32_bundle(tmp_path):
     assert man["fp16"]["fp16_io"] == ["x", "y"] and man["fp16"]["max_abs_vs_fp16"] < 1e-2
     assert [i["dtype"] for i in man["inputs"] + man["outputs"]] == ["float32", "float32"]
     assert any("fp16 inputs/outputs x, y are fp32 in the bundle" in n for n in man["notes"])
+
+
+def test_a_uint8_camera_input_cast_through_fp16_keeps_its_cast(tmp_path):
+    """uint8 HWC pixels -> Cast(fp16) -> Cast(fp32) -> scale -> NCHW (a real pre-processing graph,
+    trtutils' yolo_preproc_base.onnx, and what the fp16 converter makes of a uint8-input model):
+    the Cast from uint8 becomes a Cast to fp32, not an Identity that fed uint8 to a Mul."""
+    nodes = [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+             helper.make_node("Cast", ["h"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["f", "scale"], ["s"]),
+             helper.make_node("Transpose", ["s"], ["t"], perm=[0, 3, 1, 2]),
+             helper.make_node("Conv", ["t", "w"], ["y"], pads=[1, 1, 1, 1])]
+    g = helper.make_graph(nodes, "u8fp16", [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 16, 16, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])],
+                          [numpy_helper.from_array(np.float32(1 / 255), "scale"),
+                           numpy_helper.from_array(_w(4, 3, 3, 3), "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    src, out, man = _compile_and_verify(tmp_path, "u8fp16", m)
+    assert man["inputs"][0]["dtype"] == "uint8" and man["fp16"]["casts"] == 2, man.get("fp16")
+    assert _bundle_vs_file(out, src, "tvm") < 1e-4
