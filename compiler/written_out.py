@@ -250,8 +250,9 @@ def fold(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, int]]:
             n += 1
             return new
 
-        func = rewrite_call(form.pattern, rewrite, func)
-        if n:
+        rewritten = rewrite_call(form.pattern, rewrite, func)
+        if n:   # rewrite_call also merges common subexpressions: keep a function it folded nothing in
+            func = rewritten
             counts[form.name] = n
     mod = mod.clone() if hasattr(mod, "clone") else mod
     mod["main"] = func

@@ -113,15 +113,17 @@ def activation() -> Graph:
     g.out(g.op("HardSwish", "x"))
     g.out(g.op("HardSigmoid", "x", alpha=0.2, beta=0.5))
     g.out(g.op("Mul", "x", g.op("Sigmoid", "x")))   # SiLU written out, as exporters write it
-    # GELU's tanh form written out (BERT-style exports); its erf form has no Arm NN layer before 23.11
-    inner = g.op("Add", "x", g.op("Mul", g.op("Pow", "x", g.const(np.float32(3))), g.const(np.float32(0.044715))))
-    t = g.op("Tanh", g.op("Mul", inner, g.const(np.float32(np.sqrt(2 / np.pi)))))
-    g.out(g.op("Mul", g.op("Mul", "x", g.const(np.float32(0.5))), g.op("Add", t, g.const(np.float32(1)))))
     return g
 
 
 def layer_norm() -> Graph:
     g = Graph("layer_norm", {"v": [1, 10, 16]})
+    # GELU's tanh form written out (BERT-style exports; its erf form has no Arm NN layer before
+    # 23.11), here and not in activation(): folding it merges common subexpressions, and the SiLU's
+    # Sigmoid(x) would become the Sigmoid output's, an intermediate that escapes its match
+    inner = g.op("Add", "v", g.op("Mul", g.op("Pow", "v", g.const(np.float32(3))), g.const(np.float32(0.044715))))
+    t = g.op("Tanh", g.op("Mul", inner, g.const(np.float32(np.sqrt(2 / np.pi)))))
+    g.out(g.op("Mul", g.op("Mul", "v", g.const(np.float32(0.5))), g.op("Add", t, g.const(np.float32(1)))))
     g.out(g.op("LayerNormalization", "v", g.w(16), g.w(16), axis=-1, epsilon=1e-5))
     # TF style, written out: mean, centre, mean square, + eps, sqrt, reciprocal, * gamma + beta
     d = g.op("Sub", "v", g.op("ReduceMean", "v", axes=[-1]))
