@@ -104,6 +104,8 @@ def test_same_job_twice_is_a_noop_with_the_same_final_ack(devs, broker, B):
     r = out["devices"]["u1"]
     assert r["state"] == "committed" and r.get("repeated") is True, r
     # answered from the record: only the final ack again, nothing downloaded, verified or gated
+    # (the recorder is another subscriber: the ack may reach it after the deploy has returned)
+    rec.wait_for(lambda m: m.topic == "tandoor/u1/update/ack" and m.json().get("job_id") == "job-v2", 20, "the ack")
     assert {a["state"] for a in acks(rec, "u1", "job-v2")} == {"committed"}, acks(rec, "u1", "job-v2")
     assert_committed_state(devs["slots"]["u1"], sha(B["v2"]))
 
