@@ -36,11 +36,11 @@ ALIGNS = ("center", "topleft")
 
 
 def guess_layout(shape) -> str:
-    """NHWC when a 4-D shape's last axis is 1 or 3 channels and its second is not (MTCNN's
-    1x48x48x3, Keras exports), else NCHW: what compile records and the agent assumes when the
-    user gives no --layout."""
+    """NHWC when a 4-D shape's last axis is 1, 3 or 4 channels (grey, RGB, RGBA) and its second is
+    not (MTCNN's 1x48x48x3, Keras exports, M-LSD's 1x320x320x4), else NCHW: what compile records
+    and the agent assumes when the user gives no --layout."""
     s = list(shape)
-    return "NHWC" if len(s) == 4 and s[3] in (1, 3) and s[1] not in (1, 3) else "NCHW"
+    return "NHWC" if len(s) == 4 and s[3] in (1, 3, 4) and s[1] not in (1, 3, 4) else "NCHW"
 
 
 #: the dtypes a model input may have, each with how a frame becomes it: float32 is normalised as
