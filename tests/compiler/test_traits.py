@@ -336,3 +336,16 @@ def test_a_scalar_constant_in_a_delegated_region_stays_a_scalar(tmp_path):
     assert_compiles_and_matches(tmp_path, "scalar", m, "--policy", "all")
     order = next(iter(manifest_of(tmp_path / "scalar.hmod")["partitions"]))
     assert order["delegate"], order
+
+
+def test_a_scalar_constant_beside_a_tensor_runs_on_arm_nn(tmp_path):
+    """A sigmoid scaled by a scalar constant (YOLOv8's head): the order's rank-0 weight is one
+    element for Arm NN, which has no rank-0 tensors, so the region stays on armnn."""
+    m = model([N("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), N("Sigmoid", ["c"], ["s"]), N("Mul", ["s", "half"], ["y"])],
+              {"x": [1, 3, 8, 8]}, {"y": [1, 4, 8, 8]}, {"w": _w(4, 3, 3, 3), "half": np.float32(0.5)}, opset=17)
+    res, src, out = compile_(tmp_path, "conv_scalar", m, "--policy", "all")
+    assert res.returncode == 0, res.stderr[-2000:]
+    v = run_cli("tandoor", "verify", str(out), "--reference", str(src), "--delegate", "armnn", "--json")
+    assert v.returncode == 0, v.stdout[-1500:] + v.stderr[-800:]
+    got = json.loads(v.stdout)
+    assert got["ok"] and {s["executor"] for s in got["subgraphs"]} == {"armnn"}, got["subgraphs"]

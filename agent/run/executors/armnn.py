@@ -324,7 +324,9 @@ def _ints(v: Any, n: int, what: str) -> list[int]:
     return out
 
 
-def _shape_of(spec: Any, what: str, dtypes: Sequence[str] = TENSOR_DTYPES) -> tuple[int, ...]:
+def _shape_of(spec: Any, what: str, dtypes: Sequence[str] = TENSOR_DTYPES, scalar: bool = False) -> tuple[int, ...]:
+    """The spec's static shape; ``scalar``: a rank-0 weight (a Mul/Add constant) is one element of
+    rank 1, which Arm NN broadcasts the same way (its tensors have rank 1..5)."""
     if not isinstance(spec, Mapping):
         raise UnsupportedOrder(f"{what}: expected {{shape, dtype}}, got {spec!r}")
     dtype = str(spec.get("dtype"))
@@ -334,6 +336,8 @@ def _shape_of(spec: Any, what: str, dtypes: Sequence[str] = TENSOR_DTYPES) -> tu
         shape = tuple(int(d) for d in spec.get("shape"))
     except (TypeError, ValueError):
         raise UnsupportedOrder(f"{what} has a non-static shape {spec.get('shape')!r}") from None
+    if scalar and shape == ():
+        return (1,)
     if not 1 <= len(shape) <= 5:
         raise UnsupportedOrder(f"{what} has rank {len(shape)}: Arm NN tensors have rank 1..5")
     if any(d <= 0 for d in shape):
@@ -521,7 +525,7 @@ class ArmnnExecutor:
                     raise UnsupportedOrder(f"{kind} {s['name']!r} dtype {s.get('dtype')} disagrees with the "
                                            "tensors table")
         for name, spec in self._weights_table.items():
-            _shape_of(spec, f"weight {name!r}", WEIGHT_DTYPES)
+            _shape_of(spec, f"weight {name!r}", WEIGHT_DTYPES, scalar=True)
         if orders.is_quantized(order) and order.get("order_version") == 1:   # (dtypes are known ones here)
             raise UnsupportedOrder(f"order {self.symbol} is order_version 1 (float32 only) but has quantized "
                                    "tensors; a quantized order is order_version 2")
@@ -730,7 +734,7 @@ class ArmnnExecutor:
         spec = self._weights_table.get(name)
         if spec is None:
             raise UnsupportedOrder(f"{where}: weight {name!r} is not in the order's weights table")
-        shape = _shape_of(spec, f"weight {name!r}", WEIGHT_DTYPES)
+        shape = _shape_of(spec, f"weight {name!r}", WEIGHT_DTYPES, scalar=True)
         dt = np.dtype(str(spec.get("dtype"))).newbyteorder("<")   # the blob is little-endian
         offset, nbytes = int(spec.get("offset", -1)), int(spec.get("nbytes", -1))
         count = math.prod(shape)
