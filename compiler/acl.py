@@ -359,6 +359,9 @@ def check_layer_norm(call: relax.Call) -> str | None:
 
 
 def check_transpose(call: relax.Call) -> str | None:
+    shape = _shape(call.args[0])
+    if shape is not None and len(shape) < 2:    # a rank-0/1 "transpose" moves nothing; ONNX has no empty perm
+        return f"transpose of a rank-{len(shape)} tensor moves nothing"
     return _fp32(call.args[0])
 
 

@@ -13,7 +13,14 @@ call to an external function (Codegen "onnxruntime", ``converter``), which RunCo
 ``call_dps_packed(symbol, inputs)`` as it does for the ACL regions; the VM resolves the symbol to
 the agent's onnxruntime executor, as it does every delegated order. The order's ONNX rendering is the original nodes with the
 initializers they read, shapes from onnx's shape inference (or, where it cannot say, from running
-the model: a Loop's outputs); an output whose size depends on the data is refused at compile time.
+the model: a Loop's outputs).
+
+The **tail**: an op whose output size depends on the data (DATA_SHAPED: NonMaxSuppression, NonZero,
+...) cannot be a VM call (call_dps_packed needs its outputs' shapes before the call). Such an op and
+everything after it (every node it feeds, to the model's outputs) become one more onnxruntime
+rendering that the device runs after the VM: the VM returns what the tail reads, the tail gives the
+model's outputs of any size (the manifest's ``tail``, contract/tail.py). An end-to-end detector's
+NMS and the gathers of the boxes it kept are the common case.
 
 ``check_runtime`` is the backstop after TVM's build pipeline: a packed function the lowered module
 calls that the runtime library lacks (RUNTIME_PREFIXES / RUNTIME_ABSENT say what it has) refuses
@@ -58,7 +65,7 @@ RUNTIME_LACKS: dict[str, Lack] = {x.op: x for x in [
 
 # Ops whose output size is the data's to decide (the count of hits, of unique values, of boxes kept):
 # unless shape inference gives it statically, such an output is refused, whatever the probes gave.
-DATA_SHAPED = frozenset({"NonZero", "Unique", "NonMaxSuppression", "Compress"})
+DATA_SHAPED = frozenset({"NonZero", "Unique", "NonMaxSuppression", "Compress"})   # and a Loop: _scans_vary
 
 # What the runtime-only library registers that lowered modules call by name: the VM's builtins
 # (the VM lives in libtvm_runtime), except the few below that only the compiler library adds.
@@ -83,6 +90,7 @@ class Group:
     why: dict[str, str] = field(default_factory=dict)    # op type -> reason
     specs: dict[str, tuple[list[int], str]] = field(default_factory=dict)   # name -> (shape, dtype)
     onnx_bytes: bytes = b""
+    tail: bool = False                # runs after the VM (module doc); its outputs may be any size
 
     @property
     def op_types(self) -> list[str]:
@@ -245,19 +253,24 @@ def _run_for_shapes(model: onnx.ModelProto, names: list[str], inputs: list[dict]
 
 
 def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict]) -> tuple[onnx.ModelProto, list[Group]]:
-    """(the model with each group as a placeholder node, the groups); the model itself when no node
-    needs onnxruntime. ``inputs``: the model's input specs (for sizing outputs by running it)."""
-    picked = reasons(model)
-    if not picked:
-        return model, []
+    """(the model with each group as a placeholder node and without the tail, the groups with the
+    tail last); the model itself when no node needs onnxruntime. ``inputs``: the model's input
+    specs (for sizing outputs by running it)."""
     nodes = list(model.graph.node)
+    tail_at = _tail(model)
+    picked = {k: why for k, why in reasons(model).items() if k not in tail_at}
+    if not picked and not tail_at:
+        return model, []
     inits = {i.name: i for i in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
     prefix = symbol_prefix(model_name)
     groups: list[Group] = []
-    for k, members in enumerate(_groups(model, picked)):
-        g = Group(f"{prefix}_ort_{k}", [nodes[m] for m in members],
-                  why={op_name(nodes[m]): picked[m] for m in members})
+    runs = [(f"{prefix}_ort_{k}", members, picked) for k, members in enumerate(_groups(model, picked))]
+    if tail_at:
+        runs.append((f"{prefix}_tail", sorted(tail_at), tail_at))
+    for symbol, members, why in runs:
+        g = Group(symbol, [nodes[m] for m in members], tail=why is tail_at,
+                  why={op_name(nodes[m]): why[m] for m in members})
         made = {o for n in g.nodes for o in n.output if o}
         for n in g.nodes:
             for i in reads(n):
@@ -272,8 +285,43 @@ def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict]) -> tuple[on
     return _with_placeholders(model, groups), groups
 
 
+def _scans_vary(node: onnx.NodeProto, consts: set[str]) -> bool:
+    """A Loop with scan outputs (one row per trip) whose trip count the data decides: its count
+    input is not a constant, or its body computes the condition to go on."""
+    if node.op_type != "Loop" or not any(o for o in node.output[len(node.input) - 2:]):
+        return False
+    body = next(a.g for a in node.attribute if a.name == "body")
+    cond_in, cond_out = body.input[1].name, body.output[0].name
+    passed = cond_out == cond_in or any(n.op_type == "Identity" and list(n.input) == [cond_in] and
+                                        n.output[0] == cond_out for n in body.node)
+    return not (node.input[0] in consts and passed)
+
+
+def _tail(model: onnx.ModelProto) -> dict[int, str]:
+    """Node index -> why, for the tail (module doc): each DATA_SHAPED node whose output size shape
+    inference cannot fix, and every node downstream of one."""
+    nodes = list(model.graph.node)
+    known = _known_specs(model)
+    consts = {i.name for i in model.graph.initializer} | {o for n in nodes if n.op_type == "Constant" for o in n.output}
+    seeds = {k: n.op_type for k, n in enumerate(nodes) if n.domain in ("", "ai.onnx") and (
+        (n.op_type in DATA_SHAPED and any(known.get(o, (None, 0))[0] is None or None in known[o][0]
+                                          for o in n.output if o)) or _scans_vary(n, consts))}
+    if not seeds:
+        return {}
+    out = {k: (f"its output size depends on the data; the bundle runs it, and what follows it, in onnxruntime "
+               "after the TVM part") for k in seeds}
+    first = nodes[min(seeds)].op_type
+    made = {o for k in seeds for o in nodes[k].output if o}
+    for k, n in enumerate(nodes):           # nodes are sorted (normalise.sort_nodes): one pass finds them all
+        if k not in out and any(i in made for i in reads(n)):
+            out[k] = f"after {first}, whose output size depends on the data"
+            made |= {o for o in n.output if o}
+    return out
+
+
 def _size(model: onnx.ModelProto, groups: list[Group], inputs: list[dict]) -> None:
-    """Each group's boundary tensors get a static shape and a dtype, or the compile is refused."""
+    """Each group's boundary tensors get a static shape and a dtype, or the compile is refused; the
+    tail's outputs may be any size (-1 for a dim that varies)."""
     known = _known_specs(model)
     unknown = [n for g in groups for n in g.inputs + g.outputs
                if known.get(n, (None, 0))[0] is None or None in known[n][0] or known[n][1] not in _DTYPES]
@@ -283,11 +331,16 @@ def _size(model: onnx.ModelProto, groups: list[Group], inputs: list[dict]) -> No
             if n in unknown:
                 seen = {tuple(r[n][0]) for r in runs}
                 op = next((x.op_type for x in g.nodes if n in x.output), g.nodes[0].op_type)
+                if g.tail and n in g.outputs:
+                    dims = known.get(n, (None, 0))[0] or [None] * len(runs[0][n][0])
+                    g.specs[n] = ([-1 if d is None else int(d) for d in dims], runs[0][n][1])
+                    continue
                 if len(seen) > 1 or op in DATA_SHAPED:   # two probes agreeing proves nothing for these
                     sizes = " vs ".join("x".join(map(str, s)) for s in sorted(seen))
-                    raise CompileError(f"{op} ({n}) gives outputs whose size depends on the input data ({sizes}); "
-                                       "a Tandoor bundle needs static shapes: end the model before it (run it on "
-                                       "the host)")
+                    raise CompileError(f"{op} ({n}) gives outputs whose size depends on the input data ({sizes}) "
+                                       "and feeds the rest of the model; a Tandoor bundle runs such an op only "
+                                       "at the model's end (after it, only ops on its outputs): end the model "
+                                       "there, or report the model")
                 g.specs[n] = (list(runs[0][n][0]), runs[0][n][1])
             else:
                 dims, et = known[n]
@@ -298,7 +351,8 @@ def _render(model: onnx.ModelProto, g: Group, inits: dict[str, onnx.TensorProto]
     """The group as a standalone ONNX model: its nodes, the initializers they read, its tensors as
     graph inputs/outputs with the static shapes the order promises."""
     codes = {v: k for k, v in _DTYPES.items()}
-    vi = lambda n: helper.make_tensor_value_info(n, codes[g.specs[n][1]], g.specs[n][0])  # noqa: E731
+    vi = lambda n: helper.make_tensor_value_info(  # noqa: E731
+        n, codes[g.specs[n][1]], [None if d < 0 else d for d in g.specs[n][0]])
     used = {i for n in g.nodes for i in reads(n)}
     graph = helper.make_graph(list(g.nodes), g.symbol, [vi(n) for n in g.inputs], [vi(n) for n in g.outputs],
                               [inits[n] for n in sorted(used) if n in inits])
@@ -318,8 +372,9 @@ def _render(model: onnx.ModelProto, g: Group, inits: dict[str, onnx.TensorProto]
 
 def _with_placeholders(model: onnx.ModelProto, groups: list[Group]) -> onnx.ModelProto:
     """A copy of the model where each group is one placeholder node (inputs -> outputs), in the
-    position of the group's last node (all of its inputs exist there)."""
-    last = {id(g.nodes[-1]): g for g in groups}
+    position of the group's last node (all of its inputs exist there); without the tail's nodes, and
+    returning what the tail reads instead of what it makes (``vm_outputs``)."""
+    last = {id(g.nodes[-1]): g for g in groups if not g.tail}
     gone = {id(n) for g in groups for n in g.nodes}
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -333,7 +388,47 @@ def _with_placeholders(model: onnx.ModelProto, groups: list[Group]) -> onnx.Mode
             out.graph.node.append(n)
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    tail = next((g for g in groups if g.tail), None)
+    if tail is not None:
+        codes = {v: k for k, v in _DTYPES.items()}
+        declared = {o.name: o for o in model.graph.output}
+        del out.graph.output[:]
+        for name in vm_outputs(model, groups):
+            out.graph.output.append(declared[name] if name in declared else helper.make_tensor_value_info(
+                name, codes[tail.specs[name][1]], tail.specs[name][0]))
     return out
+
+
+def vm_outputs(model: onnx.ModelProto, groups: list[Group]) -> list[str]:
+    """What the TVM part returns: the model's outputs the tail does not make, then the tensors the
+    tail reads from it (not the model's inputs), each once."""
+    tail = next((g for g in groups if g.tail), None)
+    if tail is None:
+        return [o.name for o in model.graph.output]
+    made = {o for n in tail.nodes for o in n.output if o}
+    fed = {i.name for i in model.graph.input}
+    out = [o.name for o in model.graph.output if o.name not in made]
+    return out + [n for n in tail.inputs if n not in fed and n not in out]
+
+
+def tail_entry(model: onnx.ModelProto, groups: list[Group]) -> dict | None:
+    """The manifest's ``tail`` (contract/tail.py): where each of the tail's inputs comes from (the
+    model's inputs or the VM's outputs), and each model output (the VM's or the tail's)."""
+    tail = next((g for g in groups if g.tail), None)
+    if tail is None:
+        return None
+    vm = vm_outputs(model, groups)
+    fed = [i.name for i in model.graph.input]
+    ops = Counter(tail.op_types)
+    return {"symbol": tail.symbol, "kind": "onnx", "onnx": f"orders/{tail.symbol}.onnx",
+            "ops": [f"onnx.{o}" for o in tail.op_types],
+            "reason": "onnxruntime after the TVM part: " + "; ".join(f"{o}: {tail.why[o]}" for o in ops),
+            "why": dict(tail.why),
+            "nodes": [n.name or n.output[0] for n in tail.nodes],
+            "feeds": [{"name": n, **({"input": fed.index(n)} if n in fed else {"vm": vm.index(n)})} for n in tail.inputs],
+            "outputs": [{"tail": tail.outputs.index(o.name)} if o.name in tail.outputs else {"vm": vm.index(o.name)}
+                        for o in model.graph.output],
+            "tail_outputs": [{"name": n, "shape": tail.specs[n][0], "dtype": tail.specs[n][1]} for n in tail.outputs]}
 
 
 CODEGEN = "onnxruntime"   # the placeholder functions' Codegen attr: RunCodegen calls relax.ext.onnxruntime

@@ -248,7 +248,7 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
         loaded.tvm_proto, loaded.hatch = hatch.cut(loaded.proto, opts.name or loaded.name,
                                                    [i.as_dict() for i in loaded.inputs])
     for g in loaded.hatch:
-        say(f"{g.symbol}: {', '.join(g.op_types)} to onnxruntime")
+        say(f"{g.symbol}: {', '.join(g.op_types)} to onnxruntime" + (" after the TVM part" if g.tail else ""))
     _media(opts, [i.as_dict() for i in loaded.inputs], {})     # a bad --mean or --decoder fails here, before the work
     say("importing into TVM Relax")
     with stage("import", timings):
@@ -472,8 +472,10 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
         parts_manifest.append(entry)
     for g in plan.hatch:
         member = f"orders/{g.symbol}"
-        members[f"{member}.json"] = json.dumps(g.order(), sort_keys=True, separators=(",", ":")).encode()
         members[f"{member}.onnx"] = g.onnx_bytes
+        if g.tail:      # not a VM call: the manifest's ``tail`` (_manifest) says how it runs
+            continue
+        members[f"{member}.json"] = json.dumps(g.order(), sort_keys=True, separators=(",", ":")).encode()
         parts_manifest.append(g.manifest_entry(member))
     return members, parts_manifest, fallbacks
 
@@ -495,7 +497,7 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
 def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
     """The TVM side and every fallback, per target; libs become members."""
     lowered = codegen.lower_regions(plan.result.mod)
-    provided = frozenset([p.symbol for p in plan.kept] + [g.symbol for g in plan.hatch])
+    provided = frozenset([p.symbol for p in plan.kept] + [g.symbol for g in plan.hatch if not g.tail])
     target_entries = {}
     with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
         tmpd = Path(tmp)
@@ -570,6 +572,7 @@ def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, ta
         "targets": target_entries,
         **_media(opts, [i.as_dict() for i in loaded.inputs], members),   # inputs, preprocess, postprocess, labels
         "outputs": [o.as_dict() for o in loaded.outputs],
+        **({"tail": tail} if (tail := hatch.tail_entry(loaded.proto, loaded.hatch)) else {}),
         "partitions": parts_manifest,
         "tvm_ops": [{"op": o.removeprefix("relax."), "reason": r} for o, r in result.tvm_ops],
         "ops_total": result.ops_total,

@@ -24,7 +24,8 @@ def summary(bundle: hmod.Bundle) -> dict:
     info["partitions"] = [{"symbol": p["symbol"], "ops": p["ops"], "delegate": p["delegate"], "reason": p["reason"],
                            "est": p.get("est", {}), **({"kind": p["kind"]} if "kind" in p else {})}
                           for p in m["partitions"]]
-    info["onnxruntime_ops"] = onnxruntime_ops(m["partitions"])
+    info["tail"] = m.get("tail")      # the model's end, run by onnxruntime after the VM (contract/tail.py)
+    info["onnxruntime_ops"] = onnxruntime_ops(m["partitions"] + ([m["tail"]] if m.get("tail") else []))
     info["tvm_ops"] = m.get("tvm_ops", [])
     info["tvm_ops_by_op"] = tvm_ops_by_op(info["tvm_ops"])
     info["layout_transposes"] = m.get("layout_transposes")

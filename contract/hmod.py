@@ -50,7 +50,7 @@ from .errors import TandoorError
 from .orders import ORDER_VERSION, ORDER_VERSIONS
 
 __all__ = [
-    "FORMAT_VERSION", "ORDER_VERSION", "ORDER_VERSIONS", "MANIFEST", "SIGNATURE", "SUFFIX",
+    "FORMAT_VERSION", "PLAIN_FORMAT_VERSION", "ORDER_VERSION", "ORDER_VERSIONS", "MANIFEST", "SIGNATURE", "SUFFIX",
     "BundleError", "NotABundle", "UnsafeMember", "HashMismatch", "MissingMember", "ExtraMember",
     "BadSignature", "UnsignedBundle", "FormatVersionError", "NoLibForArch", "KeyFileError",
     "Bundle", "open_bundle", "write_bundle", "generate_keypair", "load_private_key",
@@ -62,12 +62,17 @@ __all__ = [
 # A uint8 model input (raw pixels the graph normalises) needs no new version: every format-2 reader
 # makes its golden inputs as uint8 codes (probe.inputs) and feeds it the frame's pixels as they are
 # (tests/agent/test_uint8_readers.py reads such a manifest as the agent does).
-FORMAT_VERSION = 2
+# 3: the manifest may have a ``tail`` (contract/tail.py): onnxruntime runs the model's end after the VM.
+# A bundle is written with the lowest version that describes it (3 only with a tail), so agents
+# that know 2 still run every other bundle, and refuse one with a tail instead of returning the VM's
+# outputs as the model's.
+FORMAT_VERSION = 3
+PLAIN_FORMAT_VERSION = 2   # a bundle without a tail
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 SUFFIX = ".hmod"
 
-SUPPORTED_FORMAT_VERSIONS = frozenset({1, FORMAT_VERSION})
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, FORMAT_VERSION})
 GENERATED = "probe"   # a golden pair's "inputs" when they are probe.inputs(manifest, seed)
 _RESERVED = frozenset({MANIFEST, SIGNATURE})
 _CHUNK = 1 << 20
@@ -412,7 +417,7 @@ def write_bundle(out_path: PathLike, manifest: Mapping[str, Any],
            else load_private_key(private_key))
 
     man = copy.deepcopy(dict(manifest))
-    man["format_version"] = FORMAT_VERSION
+    man["format_version"] = FORMAT_VERSION if man.get("tail") else PLAIN_FORMAT_VERSION
     # Temp file in the same directory, so os.replace is an atomic rename on one filesystem.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     tmp = Path(tmp_name)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import hmod
+from tandoor_contract import hmod, tail as tail_mod
 from tandoor_contract.errors import TandoorError
 
 from . import executors
@@ -160,6 +160,7 @@ class HybridModule:
         from tvm.runtime.vm import VirtualMachine
 
         self._tmp = None
+        self._tail_session = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="tandoor-run-")
             workdir = Path(self._tmp.name)
@@ -204,6 +205,7 @@ class HybridModule:
                     break
                 else:
                     raise RuntimeError_(f"no executor can run {symbol}: " + "; ".join(reasons))
+            self._tail_session = self._tail(bundle)
             lib_path = workdir / f"{self.target}.so"
             lib_path.write_bytes(bundle.read(self.manifest["targets"][self.target]["lib"]))
             self.dev = tvm.cpu()
@@ -217,6 +219,30 @@ class HybridModule:
         self._tvm = tvm
         self._args = None
         self.inputs = self.manifest["inputs"]
+
+    @staticmethod
+    def _tail(bundle: hmod.Bundle):
+        """The onnxruntime session of the bundle's tail (contract/tail.py), or None."""
+        tail = bundle.manifest.get("tail")
+        if not tail:
+            return None
+        ops = ", ".join(sorted({o.removeprefix("onnx.") for o in tail.get("ops") or ()}))
+        try:
+            import onnxruntime as ort
+        except Exception as err:
+            raise RuntimeError_(f"this model ends in ops run by onnxruntime after the TVM part ({ops}), and "
+                                f"onnxruntime is not importable here ({_first_line(err)}): install onnxruntime") from None
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")   # as the onnxruntime executor
+        try:
+            session = ort.InferenceSession(bundle.read(tail["onnx"]), so, providers=["CPUExecutionProvider"])
+        except hmod.BundleError:
+            raise
+        except Exception as err:
+            raise RuntimeError_(f"onnxruntime cannot load the model's end ({ops}): {_first_line(err)}") from None
+        log.info("the model's end (%s) runs on onnxruntime after the TVM part", ops)
+        return session
 
     @staticmethod
     def _make_delegate(ex, sg: Subgraph, n_in: int):
@@ -244,9 +270,13 @@ class HybridModule:
             out = self.vm["main"](*self._args)
         except Exception as err:
             raise RuntimeError_(f"inference failed: {_first_line(err)}") from None
-        if hasattr(out, "numpy"):
-            return [out.numpy()]
-        return [o.numpy() for o in out]
+        outs = [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
+        if self._tail_session is None:
+            return outs
+        try:
+            return tail_mod.finish(self.manifest["tail"], inputs, outs, lambda feeds: self._tail_session.run(None, feeds))
+        except Exception as err:
+            raise RuntimeError_(f"inference failed in the model's end (onnxruntime): {_first_line(err)}") from None
 
     def describe(self) -> list[dict]:
         out = []

@@ -105,7 +105,7 @@ def test_round_trip(tmp_path: Path) -> None:
 
     with hmod.open_bundle(out) as b:
         assert b.manifest == written
-        assert b.manifest["format_version"] == hmod.FORMAT_VERSION
+        assert b.manifest["format_version"] == hmod.PLAIN_FORMAT_VERSION
         assert b.path == out and not b.signed and b.verified_by is None
         assert set(b.manifest["files"]) == set(_members(tmp_path))
         assert b.read("labels.txt") == b"cat\ndog\n"
@@ -193,7 +193,7 @@ def test_flipped_manifest_byte_breaks_signature(tmp_path: Path, keys: dict) -> N
     with zipfile.ZipFile(out) as zf:
         raw = zf.read(hmod.MANIFEST)
     tampered = raw.replace(b'"demo"', b'"demn"', 1)  # still valid JSON, same format_version
-    assert tampered != raw and json.loads(tampered)["format_version"] == hmod.FORMAT_VERSION
+    assert tampered != raw and json.loads(tampered)["format_version"] == hmod.PLAIN_FORMAT_VERSION
     bad = _rezip(out, tmp_path / "bad.hmod", replace={hmod.MANIFEST: tampered})
     with pytest.raises(BadSignature):
         hmod.open_bundle(bad, trusted_keys=[keys["pub"]])
