@@ -285,16 +285,43 @@ def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict]) -> tuple[on
     return _with_placeholders(model, groups), groups
 
 
-def _scans_vary(node: onnx.NodeProto, consts: set[str]) -> bool:
-    """A Loop with scan outputs (one row per trip) whose trip count the data decides: its count
-    input is not a constant, or its body computes the condition to go on."""
-    if node.op_type != "Loop" or not any(o for o in node.output[len(node.input) - 2:]):
-        return False
+# ops whose output is the input's shape, not its values: no data flows through them when that shape is static
+_SHAPE_OF = frozenset({"Shape", "Size"})
+
+
+def _valued(nodes, data: set[str], static: set[str]) -> set[str]:
+    """``data`` grown by every output of ``nodes`` (in order) that a value in it reaches; a Shape or
+    Size of a ``static``-shaped tensor does not carry it."""
+    data = set(data)
+    for n in nodes:
+        if n.op_type in _SHAPE_OF and n.input[0] in static:
+            continue
+        if any(i in data for i in reads(n)):
+            data.update(o for o in n.output if o)
+    return data
+
+
+def _loop_counts_data(node: onnx.NodeProto, data: set[str]) -> bool:
+    """Does the data decide how many trips a Loop makes? Its count or first condition is data, or its
+    body's condition is reached by data: the outer values it reads, or a loop-carried value whose start
+    (or update, to a fixpoint) is."""
+    if node.input[0] in data or (len(node.input) > 1 and node.input[1] in data):
+        return True
     body = next(a.g for a in node.attribute if a.name == "body")
-    cond_in, cond_out = body.input[1].name, body.output[0].name
-    passed = cond_out == cond_in or any(n.op_type == "Identity" and list(n.input) == [cond_in] and
-                                        n.output[0] == cond_out for n in body.node)
-    return not (node.input[0] in consts and passed)
+    carried = [i.name for i in body.input[2:]]
+    inside = {carried[k] for k, v in enumerate(node.input[2:]) if v in data}
+    while True:
+        reached = _valued(body.node, data | inside, set())
+        more = {carried[k] for k, o in enumerate(body.output[1:len(carried) + 1]) if o.name in reached} - inside
+        if not more:
+            return body.output[0].name in reached
+        inside |= more
+
+
+def _scans_vary(node: onnx.NodeProto, data: set[str]) -> bool:
+    """A Loop with scan outputs (one row per trip) whose trip count the data decides."""
+    return (node.op_type == "Loop" and any(o for o in node.output[len(node.input) - 2:])
+            and _loop_counts_data(node, data))
 
 
 def _tail(model: onnx.ModelProto) -> dict[int, str]:
@@ -302,10 +329,10 @@ def _tail(model: onnx.ModelProto) -> dict[int, str]:
     inference cannot fix, and every node downstream of one."""
     nodes = list(model.graph.node)
     known = _known_specs(model)
-    consts = {i.name for i in model.graph.initializer} | {o for n in nodes if n.op_type == "Constant" for o in n.output}
+    static = {n for n, (dims, _) in known.items() if dims is not None and None not in dims}
+    data = _valued(nodes, {i.name for i in model.graph.input}, static)
     seeds = {k: n.op_type for k, n in enumerate(nodes) if n.domain in ("", "ai.onnx") and (
-        (n.op_type in DATA_SHAPED and any(known.get(o, (None, 0))[0] is None or None in known[o][0]
-                                          for o in n.output if o)) or _scans_vary(n, consts))}
+        (n.op_type in DATA_SHAPED and any(o not in static for o in n.output if o)) or _scans_vary(n, data))}
     if not seeds:
         return {}
     out = {k: (f"its output size depends on the data; the bundle runs it, and what follows it, in onnxruntime "

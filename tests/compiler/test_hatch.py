@@ -363,3 +363,32 @@ def test_an_onnxruntime_order_with_an_int_input_made_in_tvm_runs_and_profiles(tm
     entry = json.loads(prof.read_text())["subgraphs"][part["symbol"]]
     assert entry["exec_us"]["onnxruntime"] > 0
     assert "runs on onnxruntime only" in entry["unavailable"]["tvm"]
+
+
+def test_a_loop_counted_by_a_static_shape_is_not_a_tail():
+    """A tf2onnx map over the batch: count INT64_MAX, going on while i < Shape(x)[0]. With the
+    input's shape pinned the Shape is a constant, so the trip count is too and the Loop stays an
+    ordinary onnxruntime order; the same loop counting x's positive values is the tail."""
+    from tandoor_compiler import hatch
+
+    i64, b = TensorProto.INT64, TensorProto.BOOL
+
+    def model(count_from: str) -> onnx.ModelProto:
+        body = helper.make_graph(
+            [N("Add", ["i", "one"], ["i1"]), N("Less", ["i1", "n"], ["cond_out"]), N("Identity", ["v"], ["scan"])],
+            "body", [_vi("i", [], i64), _vi("cond_in", [], b)], [_vi("cond_out", [], b), _vi("scan", [1])],
+            [numpy_helper.from_array(np.array(1, np.int64), "one"), numpy_helper.from_array(np.array([1.0], np.float32), "v")])
+        count = ([N("Shape", ["x"], ["shp"]), N("Gather", ["shp", "z"], ["n"], axis=0)] if count_from == "shape" else
+                 [N("Greater", ["x", "zf"], ["pos"]), N("Cast", ["pos"], ["pf"], to=F),
+                  N("ReduceSum", ["pf"], ["nf"], keepdims=0), N("Cast", ["nf"], ["n"], to=i64)])
+        g = helper.make_graph(count + [N("Loop", ["M", "c"], ["scans"], body=body), N("Relu", ["scans"], ["y"])],
+                              "m", [_vi("x", [4, 3])], [_vi("y", [None, 1])],
+                              [numpy_helper.from_array(np.array(2**62, np.int64), "M"),
+                               numpy_helper.from_array(np.array(True), "c"),
+                               numpy_helper.from_array(np.array(0, np.int64), "z"),
+                               numpy_helper.from_array(np.array(0.0, np.float32), "zf")])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    assert hatch._tail(model("shape")) == {}
+    tail = hatch._tail(model("values"))
+    assert [model("values").graph.node[k].op_type for k in sorted(tail)] == ["Loop", "Relu"]
