@@ -138,6 +138,9 @@ MODELS.update({m.name: m for m in [
 #: traits ppocr_det has, and capspot's Siamese pair, whose package declares no licence.)
 UNSEEN = ("blazeface_front", "mlsd_tiny", "ppocr_v4_rec", "ppocr_v2_rec", "slanet_table", "ddddocr_ocr",
           "captcha_crnn")
+#: Those run on both emulated boards in the suite (tests/board): the rest take minutes each under
+#: emulation (docs/benchmarks.md has the per-model seconds of a full board run)
+UNSEEN_ON_BOARDS = UNSEEN
 
 DETECTORS = ("centerface", "yolov8n_320", "yolox_det", "picodet_layout", "ppocr_det")
 

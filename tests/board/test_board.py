@@ -225,15 +225,16 @@ def test_op_models_cover_the_order_vocabulary(op_bundles):
 # HybridModule, the first golden input, describe), for many bundles in one process: each agent
 # process costs ~10-20 s of imports under emulation.
 _RUN_MANY = r"""
-import json, sys
+import json, sys, time
 from pathlib import Path
 import numpy as np
 from tandoor_agent.run import lean
 lean.runtime_only()
 from tandoor_contract import hmod
 from tandoor_agent.run.runtime import HybridModule
-report = {}
+report, secs = {}, {}
 for path in sys.argv[1:]:
+    t0 = time.monotonic()
     with hmod.open_bundle(path) as b:
         m = HybridModule(b, delegate="armnn")
         try:
@@ -241,11 +242,12 @@ for path in sys.argv[1:]:
             report[Path(path).name] = m.describe()
         finally:
             m.close()
+    secs[Path(path).name] = round(time.monotonic() - t0, 1)
     d = Path(path).with_suffix(".outs")
     d.mkdir()
     for j, o in enumerate(outs):
         np.save(d / f"output_{j}.npy", o)
-print(json.dumps(report))
+print(json.dumps({"report": report, "secs": secs}))
 """
 
 
@@ -257,7 +259,9 @@ def _run_many(board, bundles: dict[str, Path], tmp_path, env: dict | None = None
     res = board.run([f"{board.venv}/bin/python", "-c", _RUN_MANY, *remote.values()], env=env, timeout=timeout)
     secs = time.monotonic() - t0
     assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
+    said = json.loads(res.stdout.strip().splitlines()[-1])
+    report = said["report"]
+    print("seconds per bundle (load + one run): " + ", ".join(f"{n}: {s}" for n, s in said["secs"].items()))
     subgraphs, outs = {}, {}
     for name, bundle in bundles.items():
         subgraphs[name] = report[Path(remote[name]).name]
@@ -414,6 +418,29 @@ def test_real_models_run_on_cpuacc_and_match_the_reference(board, bundles_dir, t
     failures = _off_cpuacc_or_reference(bundles, subgraphs, outs)
     assert not failures, "\n".join(failures)
     print(f"{len(bundles)} real models on armnn/CpuAcc on {board.describe}: {secs:.0f} s")
+
+
+def test_unseen_real_models_run_on_the_board_and_agree(board, bundles_dir, tmp_path):
+    """The models first tried as a new user would (zoo/wild.py UNSEEN: LSTM and Loop recognisers,
+    tf2onnx detectors, a Siamese pair), their aarch64 bundles on the board's runtime: each order on
+    Arm NN where it can, else the next executor (onnxruntime orders run only there); every output
+    agrees with onnxruntime on the host (the golden output) within the bundle's own promise per
+    output and path (contract/agreement.py, what the health gate applies), ties left free."""
+    from tandoor_contract import agreement
+    from tandoor_zoo import wild
+
+    bundles = {n: _wild_bundle(n, bundles_dir) for n in sorted(wild.UNSEEN_ON_BOARDS)}
+    subgraphs, outs, secs = _run_many(board, bundles, tmp_path)
+    failures = []
+    for name, bundle in bundles.items():
+        with hmod.open_bundle(bundle) as b:
+            verdict = agreement.compare(outs[name], b.golden()[0][1], b.manifest, agreement.path_of(subgraphs[name]),
+                                        free=(agreement.golden_ties(b) or [None])[0])
+        if not verdict.ok:
+            failures.append(f"{name} on {board.describe}: {verdict.reason}")
+    assert not failures, "\n".join(failures)
+    on = sorted({f"{sg['executor']}/{sg['backend']}" for v in subgraphs.values() for sg in v})
+    print(f"{len(bundles)} unseen real models on {board.describe} ({', '.join(on)}): {secs:.0f} s")
 
 
 def test_an_order_arm_nn_gets_wrong_is_caught_at_load(board, bundles_dir, tmp_path):
