@@ -81,7 +81,6 @@ class Tie:
     output: str
     kind: str                  # "topk" | "argmax"
     node_input: str            # the scores (TopK/ArgMax input)
-    values: str                # TopK: its values output; ArgMax: its input
     axis: int                  # TopK/ArgMax axis in its input
     k: int = 0
     largest: bool = True
@@ -105,7 +104,7 @@ class Facts:
         """Tensors beyond the outputs that onnxruntime must show (scales, scores of ties)."""
         want = [t for t, _ in self.scale_of.values()] + list(self.reduced.values())
         for t in self.ties:
-            want += [t.node_input, t.values]
+            want.append(t.node_input)
         return [n for n in dict.fromkeys(want) if n not in self.names and n not in self.given]
 
 
@@ -217,10 +216,10 @@ def _trace(name: str, producer: dict, shapes: dict, depth: int = 0) -> Tie | Non
         rank = _rank(shapes, n.input[0]) or 1
         axis = int(_attr(n, "axis", -1)) % rank
         k = (shapes.get(name) or [None] * rank)[axis]
-        return Tie("", "topk", n.input[0], n.output[0], axis, int(k or 0), bool(_attr(n, "largest", 1)), axis)
+        return Tie("", "topk", n.input[0], axis, int(k or 0), bool(_attr(n, "largest", 1)), axis)
     if n.op_type in ("ArgMax", "ArgMin"):
         rank = _rank(shapes, n.input[0]) or 1
-        return Tie("", n.op_type.lower(), n.input[0], n.input[0], int(_attr(n, "axis", 0)) % rank,
+        return Tie("", n.op_type.lower(), n.input[0], int(_attr(n, "axis", 0)) % rank,
                    keepdims=bool(_attr(n, "keepdims", 1)))
     if r is None:
         return None
@@ -316,12 +315,14 @@ def _spread(runs: Sequence[Mapping[str, np.ndarray]], output: str, free: Sequenc
     return max(spreads) if spreads else None
 
 
-def promise(facts: Facts, runs: Sequence[Mapping[str, np.ndarray]]) -> dict:
+def promise(facts: Facts, runs: Sequence[Mapping[str, np.ndarray]],
+            tied: Sequence[Mapping[str, np.ndarray]] | None = None) -> dict:
     """The manifest's ``tolerance`` (see the module doc) from the facts and onnxruntime's runs
-    (with the noisy outputs when :class:`Reference` ran with ``noisy``)."""
+    (with the noisy outputs when :class:`Reference` ran with ``noisy``); ``tied``: :func:`ties` of
+    each run when the caller has them already."""
     base = agreement.DEFAULT
     outputs = {}
-    tied = [ties(facts, r) for r in runs]
+    tied = [ties(facts, r) for r in runs] if tied is None else tied
     for o in facts.names:
         u = U16 if facts.fp16[o] else U32
         L = facts.reduction[o]
@@ -331,12 +332,13 @@ def promise(facts: Facts, runs: Sequence[Mapping[str, np.ndarray]]) -> dict:
         # rounding scales with the values summed: the output's own (its squashing op's input's), or
         # what its longest reduction made, which a later subtraction may have cancelled
         summed = _largest(runs, facts.reduced[o])
-        scale = max(_largest(runs, t), summed)
+        own = _largest(runs, t)
+        scale = max(own, summed)
         spread = _spread(runs, o, [t.get(o) for t in tied])
         err = min(cap, SAFETY * max(u * math.sqrt(L) * slope * scale, spread or 0.0))
         why = (f"{'fp16' if facts.fp16[o] else 'fp32'} upstream, longest reduction {L}"
                + (f" ({facts.reduction_op[o]}) making values up to {summed:.3g}" if L > 1 else "")
-               + (f", {squash} of values up to {_largest(runs, t):.3g}" if squash else f", values up to {_largest(runs, t):.3g}")
+               + (f", {squash} of values up to {own:.3g}" if squash else f", values up to {own:.3g}")
                + (f", one rounding per op moving it by {spread:.3g}" if spread else ""))
         if squash and err >= cap:
             why += f": rounding alone decides this {squash}, any value in its range is right"

@@ -546,16 +546,17 @@ def _golden_members(loaded: frontend.LoadedModel, members: dict) -> tuple[list[d
     the tolerance the compiler promises (compiler/check_facts.py)."""
     golden = []
     pairs, runs, facts = _golden(loaded, GOLDEN_PAIRS)
-    for k, ((_, outs), run) in enumerate(zip(pairs, runs)):
+    tied = [check_facts.ties(facts, run) for run in runs]
+    for k, ((_, outs), free_of) in enumerate(zip(pairs, tied)):
         g = {"inputs": hmod.GENERATED, "seed": k + 1, "outputs": []}
         for j, a in enumerate(outs):
             members[f"golden/output_{k}_{j}.npy"] = _npy(a)
             g["outputs"].append(f"golden/output_{k}_{j}.npy")
-        for j, (name, free) in enumerate(check_facts.ties(facts, run).items()):
+        for j, (name, free) in enumerate(free_of.items()):
             members[f"golden/ties_{k}_{j}.npy"] = _npy(free)
             g.setdefault("ties", {})[name] = f"golden/ties_{k}_{j}.npy"
         golden.append(g)
-    return golden, check_facts.promise(facts, runs)
+    return golden, check_facts.promise(facts, runs, tied)
 
 
 def _manifest(loaded, opts: Options, plan: Plan, facts: dict, parts_manifest, target_entries, golden,

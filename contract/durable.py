@@ -20,6 +20,11 @@ CHUNK = 1 << 20
 NO_SPACE = errno.ENOSPC
 
 
+def io_kind(err: OSError) -> str:
+    """The kind of an expected I/O failure: a full disk, or any other error of the device."""
+    return "no_space" if err.errno == NO_SPACE else "io_error"
+
+
 def fsync_dir(d: str | os.PathLike) -> None:
     """Make a rename in ``d`` durable. Filesystems that cannot fsync a directory say EINVAL."""
     try:

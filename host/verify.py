@@ -44,6 +44,9 @@ def _same_inputs(manifest: dict, ref_path: Path) -> None:
                            f"the ONNX file the bundle was compiled from")
 
 
+REPLAY_TIMEOUT_S = 3600   # the whole replay of one delegate's cases
+
+
 def _replay(bundle_path: Path, cases: list[list[np.ndarray]], delegate: str, trusted_keys) \
         -> tuple[list[list[np.ndarray]] | None, list[dict], str | None]:
     """The cases run by the agent's code in a runtime-only child: (outputs, executors, None) or
@@ -55,7 +58,11 @@ def _replay(bundle_path: Path, cases: list[list[np.ndarray]], delegate: str, tru
                "--out", str(out), "--delegate", delegate]
         for k in trusted_keys:
             cmd += ["--trusted-key", str(k)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=REPLAY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:      # a native hang: a verdict on the bundle, not a crash of verify
+            return None, [], (f"the bundle did not run with {delegate} executors: no answer within "
+                              f"{REPLAY_TIMEOUT_S} s (a hang in an executor or the TVM lib)")
         last = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("{")), None)
         said = json.loads(last) if last else {}
         if res.returncode != 0 or "executors" not in said:

@@ -264,8 +264,9 @@ class HybridModule:
             # One buffer per input, reused from run to run: the delegates see the same addresses
             # each time, so bindings made on the first call stay valid.
             self._args = [self._tvm.runtime.empty(tuple(spec["shape"]), spec["dtype"], self.dev) for spec in self.inputs]
-        for t, spec, a in zip(self._args, self.inputs, inputs):
-            t.copyfrom(np.ascontiguousarray(a, dtype=spec["dtype"]))
+        inputs = [np.ascontiguousarray(a, dtype=spec["dtype"]) for spec, a in zip(self.inputs, inputs)]
+        for t, a in zip(self._args, inputs):     # the tail reads them too: in the manifest's dtypes
+            t.copyfrom(a)
         try:
             out = self.vm["main"](*self._args)
         except Exception as err:
@@ -307,6 +308,7 @@ class HybridModule:
                 except Exception:
                     pass
         self._executors = {}
+        self._tail_session = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -823,14 +823,11 @@ class Updater:
         ack = {"device_id": self.device_id, "ts": round(time.time(), 3)}
         try:
             op = self.keys.apply(payload)
-        except KeyOpError as e:
+        except KeyOpError as e:     # a keyring that could not be written too (kind no_space/io_error)
+            if self.store is not None:
+                self.store.retired_keys = self.keys.retired_keys()
             self._send(self.topic[protocol.UPDATE_ACK], {"key_op": e.op_id, **ack, "ok": False, "kind": e.kind,
                                                          "reason": str(e), **e.extra})
-            return
-        except OSError as e:  # the keyring could not be written: nothing applied (retirements are kept first)
-            self.keys.load()
-            self._send(self.topic[protocol.UPDATE_ACK], {"key_op": None, **ack, "ok": False, "kind": io_kind(e),
-                                                         "reason": f"cannot write the keyring: {e.strerror or e}"})
             return
         self.store.trusted_keys = self.trusted_keys
         self.store.retired_keys = self.keys.retired_keys()

@@ -241,16 +241,24 @@ class Keyring:
             raise KeyOpError("replayed", f"key command refused: issued {issued} is not after the last one "
                                          f"applied ({self._st['last_issued']}); a replay?", op_id)
         out: dict[str, Any] = {"id": op_id, "op": op}
-        if op == "add-key":
-            out["fingerprint"] = self._add(msg, op_id)
-        else:
-            out["fingerprint"], out["affects"] = self._retire(msg, op_id, issued)
-        self._st["last_issued"] = float(issued)
-        self._st["rebuilt"] = None  # a command applied: the keyring is the fleet's again
-        self._st["applied"] = (self._st["applied"] + [{"id": op_id, "op": op, "fingerprint": out["fingerprint"],
-                                                       "signer": signer, "issued": issued,
-                                                       "at": durable.now_iso()}])[-32:]
-        self._save()
+        try:
+            if op == "add-key":
+                out["fingerprint"] = self._add(msg, op_id)
+            else:
+                out["fingerprint"], out["affects"] = self._retire(msg, op_id, issued)
+            self._st["last_issued"] = float(issued)
+            self._st["rebuilt"] = None  # a command applied: the keyring is the fleet's again
+            self._st["applied"] = (self._st["applied"] + [{"id": op_id, "op": op, "fingerprint": out["fingerprint"],
+                                                           "signer": signer, "issued": issued,
+                                                           "at": durable.now_iso()}])[-32:]
+            self._save()
+        except OSError as e:    # the file on disk stays what it was; a retirement already recorded stands
+            self.load()
+            fp = msg.get("fingerprint")
+            stands = op == "retire-key" and fp in self._st["retired"]
+            raise KeyOpError(durable.io_kind(e), f"cannot write the keyring: {e.strerror or e}"
+                             + ("; the retirement was recorded and stands" if stands else "; nothing applied"),
+                             op_id, **({"retired": fp} if stands else {})) from None
         self._rebuild()
         log.warning("keyring: %s %s (signed by %s); trusted now: %s", op, out["fingerprint"], signer,
                     ", ".join(self.fingerprints()))

@@ -171,9 +171,7 @@ _BUNDLE_KINDS = {
 }
 
 
-def io_kind(err: OSError) -> str:
-    """The kind of an expected I/O failure: a full disk, or any other error of the device."""
-    return "no_space" if err.errno == durable.NO_SPACE else "io_error"
+io_kind = durable.io_kind
 
 
 def _io_refusal(err: OSError, what: str) -> InstallRefused:

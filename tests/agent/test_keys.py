@@ -4,6 +4,7 @@ lost or unreadable falling back to the configured keys minus every retired one (
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -73,3 +74,36 @@ def test_with_every_configured_key_retired_and_the_keyring_lost_nothing_is_trust
     again = Keyring([str(keys["k1.pub"])], d)
     again.load()
     assert again.trusted == [] and "every configured key is retired" in again.refusal()
+
+
+def test_a_full_disk_refuses_a_key_command_by_its_id_and_applies_nothing(tmp_path, keys):
+    """The keyring's disk is full (a real tmpfs, filled): add-key is refused as no_space naming the
+    command's id (what the fleet matches answers by), and the keyring on disk and in memory is
+    what it was, k3 not trusted."""
+    from tandoor_agent.update.keys import KeyOpError
+    from support.tmpfs import small_tmpfs
+
+    with small_tmpfs(tmp_path / "mnt", 64 * 1024) as mnt:
+        d = mnt / "keys"
+        ring = Keyring([str(keys["k1.pub"]), str(keys["k2.pub"])], d)
+        ring.load()
+        ring.apply(command("add-key", keys["k1"], key=keys["k2.pub"].read_text()))   # the keyring exists
+        before = sorted(ring.fingerprints())
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)   # every free block taken
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        cmd = command("add-key", keys["k1"], key=keys["k3.pub"].read_text())
+        with pytest.raises(KeyOpError) as err:
+            ring.apply(cmd)
+        assert err.value.kind == "no_space" and err.value.op_id == json.loads(cmd)["id"]
+        assert "nothing applied" in str(err.value)
+        assert sorted(ring.fingerprints()) == before and fp(keys["k3.pub"]) not in ring.fingerprints()
+        (mnt / "filler").unlink()
+        again = Keyring([str(keys["k1.pub"]), str(keys["k2.pub"])], d)
+        again.load()
+        assert sorted(again.fingerprints()) == before
