@@ -9,7 +9,9 @@ entry here plus one function in each consumer.
 
 Conventions for every op: rank-4 tensors are NHWC; ``inputs`` are tensor names in the order the
 op type lists; ``output`` is one tensor name; ``weights`` maps a role to a name in the order's
-weights table; attrs not listed here are ignored by readers.
+weights table (a weight keeps the source model's rank, 0 for a scalar: a reader whose library needs
+rank >= 1 takes a scalar as one element, as the Arm NN executor does); attrs not listed here are
+ignored by readers.
 """
 
 from __future__ import annotations
