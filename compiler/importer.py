@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 
 import numpy as np
 
@@ -151,15 +152,36 @@ def _placeholders(groups):
         fe._get_convert_map = original
 
 
+@contextlib.contextmanager
+def _watched(seen: list):
+    """The node TVM's importer is converting, kept in ``seen[0]`` (its loop names each node with
+    ``_parse_value_proto`` just before converting it)."""
+    import onnx
+    from tvm.relax.frontend.onnx import onnx_frontend as fe
+
+    original = fe.ONNXGraphImporter._parse_value_proto
+
+    def parse(self, value_proto):
+        if isinstance(value_proto, onnx.NodeProto):
+            seen[:] = [value_proto]
+        return original(self, value_proto)
+
+    fe.ONNXGraphImporter._parse_value_proto = parse
+    try:
+        yield
+    finally:
+        fe.ONNXGraphImporter._parse_value_proto = original
+
+
 def to_relax(model):
     """Import a loaded model (compiler/frontend.LoadedModel) with weights as constants (what
     `is_const()` patterns need)."""
     from tvm.relax.frontend.onnx import from_onnx
 
     shape_dict = {i.name: i.shape for i in model.inputs}
-    problem = None
-    try:
-        with _patched(), _placeholders(model.hatch):
+    problem, seen = None, []
+    try:   # TVM prints its own "Error converting operator ..." to stdout: the error below says it
+        with _patched(), _placeholders(model.hatch), _watched(seen), contextlib.redirect_stdout(io.StringIO()):
             return from_onnx(model.tvm_proto or model.proto, shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:
         msg = [m for m in str(err).strip().splitlines() if m.strip()]
@@ -168,5 +190,7 @@ def to_relax(model):
     if model.overwritten:
         raise CompileError(f"{model.path.name}: the input shape given with --input does not fit the model "
                            f"(TVM: {problem}); give the shape the model was built for, or one its reshapes accept")
-    raise CompileError(f"TVM could not import {model.path.name}: {problem}; export the model with standard ONNX "
-                       "ops (opset 11-21) or report the op")
+    node = seen[0] if seen else None
+    at = f" at {node.op_type} {node.name or node.output[0]!r}" if node is not None else ""
+    raise CompileError(f"TVM could not import {model.path.name}{at}: {problem}; export the model with standard "
+                       "ONNX ops (opset 11-21) or report the op")
