@@ -41,6 +41,7 @@ from tandoor_contract import orders, probe
 
 from .errors import CompileError
 from .frontend import ONNX_DTYPES as _DTYPES
+from .normalise import reads
 
 DOMAIN = "ai.tandoor"          # the placeholder's domain: no ONNX op set uses it
 PLACEHOLDER = "OnnxruntimeOrder"
@@ -120,24 +121,6 @@ class Group:
 def op_name(node: onnx.NodeProto) -> str:
     """The op type, with its domain when it is not ONNX's own (com.example::Frobnicate)."""
     return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
-
-
-def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
-    """Names a node's subgraphs (Loop/If/Scan bodies) read from the enclosing graph."""
-    out: set[str] = set()
-    for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            made = {i.name for i in g.input} | {i.name for i in g.initializer}
-            for n in g.node:
-                made |= set(n.output)
-            for n in g.node:
-                out |= {i for i in n.input if i and i not in made} | (_subgraph_reads(n) - made)
-            out |= {o.name for o in g.output if o.name not in made}
-    return out
-
-
-def reads(node: onnx.NodeProto) -> list[str]:
-    return [i for i in node.input if i] + sorted(_subgraph_reads(node) - set(node.input))
 
 
 def reasons(model: onnx.ModelProto) -> dict[int, str]:

@@ -98,7 +98,7 @@ def sort_nodes(model: onnx.ModelProto, ctx: Context) -> None:
     g = model.graph
     nodes = list(g.node)
     made = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    needs = [{made[name] for name in _node_inputs(n) if name in made and made[name] != i}
+    needs = [{made[name] for name in reads(n) if name in made and made[name] != i}
              for i, n in enumerate(nodes)]
     users: dict[int, list[int]] = {}
     for i, deps in enumerate(needs):
@@ -125,13 +125,22 @@ def sort_nodes(model: onnx.ModelProto, ctx: Context) -> None:
                          "input Casts last); nodes sorted topologically")
 
 
-def _node_inputs(node: onnx.NodeProto) -> set[str]:
-    """The node's inputs and the outer names its subgraphs (If/Loop/Scan bodies) read."""
-    names = set(node.input)
+def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Names a node's subgraphs (Loop/If/Scan bodies) read from the enclosing graph."""
+    out: set[str] = set()
     for a in node.attribute:
-        for sub in list(a.g.node if a.HasField("g") else []) + [n for gr in a.graphs for n in gr.node]:
-            names |= _node_inputs(sub)
-    return names
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            made = {i.name for i in g.input} | {i.name for i in g.initializer}
+            for n in g.node:
+                made |= set(n.output)
+            for n in g.node:
+                out |= {i for i in n.input if i and i not in made} | (_subgraph_reads(n) - made)
+            out |= {o.name for o in g.output if o.name not in made}
+    return out
+
+
+def reads(node: onnx.NodeProto) -> list[str]:
+    return [i for i in node.input if i] + sorted(_subgraph_reads(node) - set(node.input))
 
 
 def initializers_out_of_inputs(model: onnx.ModelProto, ctx: Context) -> None:
@@ -374,7 +383,7 @@ def tidy_resize_inputs(model: onnx.ModelProto, ctx: Context) -> None:
 
 
 def _drop_unused_initializers(model: onnx.ModelProto) -> None:
-    used = {name for node in model.graph.node for name in _node_inputs(node)} | {o.name for o in model.graph.output}
+    used = {name for node in model.graph.node for name in reads(node)} | {o.name for o in model.graph.output}
     keep = [i for i in model.graph.initializer if i.name in used]
     if len(keep) < len(model.graph.initializer):
         del model.graph.initializer[:]
