@@ -337,7 +337,7 @@ def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples:
         g.rknn = {"toolkit_version": res["toolkit_version"], "dtype": dtype, "target_platform": rknn.TARGET_PLATFORM,
                   "tolerance": tol,
                   "check": {"source": source, "cosine": [round(c, 6) for c in agree["cosine"]],
-                            "max_err": [round(e, 6) for e in agree["max_err"]]},
+                            "max_err": [round(e, 6) for e in agree["max_err"]], "top1": agree["top1"]},
                   "calibration_frames": len(acts_cal),
                   "worst_layers": worst, "seconds": res.get("seconds", {})}
         out.append({"symbol": g.symbol, **g.rknn})

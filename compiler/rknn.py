@@ -105,9 +105,12 @@ def convert(onnx_bytes: bytes, *, dtype: str, calibration: list[list[np.ndarray]
 
 def agreement(got: list[list[np.ndarray]], want: list[list[np.ndarray]]) -> dict:
     """Per output, the worst over the check inputs: cosine similarity and max error relative to
-    the reference's largest magnitude."""
-    cos, err = [], []
+    the reference's largest magnitude; for a score vector (shape [1, N]) also the share of check
+    inputs whose top-1 is the reference's (None for other outputs)."""
+    cos, err, top1 = [], [], []
     for j in range(len(want[0]) if want else 0):
+        scores = np.shape(want[0][j])[:1] == (1,) and np.ndim(want[0][j]) == 2 and np.shape(want[0][j])[1] > 1
+        top1.append(float(np.mean([np.argmax(g[j]) == np.argmax(w[j]) for g, w in zip(got, want)])) if scores else None)
         cs, es = [], []
         for g, w in zip(got, want):
             a = np.asarray(g[j], np.float64).ravel()
@@ -119,7 +122,7 @@ def agreement(got: list[list[np.ndarray]], want: list[list[np.ndarray]]) -> dict
             es.append(float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-12)))
         cos.append(min(cs))
         err.append(max(es))
-    return {"cosine": cos, "max_err": err}
+    return {"cosine": cos, "max_err": err, "top1": top1}
 
 
 def past(agree: dict, tolerance: dict) -> list[str]:

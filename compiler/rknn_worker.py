@@ -103,11 +103,13 @@ def _report(rk, inputs: list[str], out_dir: str) -> list[dict] | None:
     rows = []
     for line in open(path, encoding="utf-8", errors="replace"):
         parts = line.split()
-        # "[Conv] name  entire_cos entire_euc  single_cos single_euc" (the toolkit's table)
-        if len(parts) >= 4 and parts[0].startswith("[") and parts[0].endswith("]"):
+        # "[Conv] name  entire_cos | entire_euc  single_cos | single_euc" (the toolkit's table; a layer
+        # fused into the next has no numbers). entire: errors accumulated up to the layer; single:
+        # the layer alone on the reference's inputs
+        if len(parts) >= 8 and parts[0].startswith("[") and parts[0].endswith("]"):
             try:
                 rows.append({"op": parts[0][1:-1], "layer": parts[1], "cosine": float(parts[2]),
-                             "single_cosine": float(parts[4]) if len(parts) > 4 else None})
+                             "single_cosine": float(parts[5])})
             except ValueError:
                 continue
     return rows

