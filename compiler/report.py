@@ -139,6 +139,11 @@ def print_summary(info: dict) -> None:
                       f"{max(o['check']['max_err']):.3f}",
                       f"cosine >= {o['tolerance']['cosine']}, error <= {o['tolerance']['max_err']}", o["check"]["source"])
         c.print(t)
+        for o in n["orders"]:
+            worst = o.get("worst_layers") or []
+            if worst:   # the toolkit's accuracy analysis: cosine to fp32 accumulated up to each layer
+                c.print(f"  {o['symbol']} layers furthest from fp32: " + ", ".join(
+                    f"{r['layer']} ({r['op']}) {r['cosine']:.4f}" for r in worst[:3]))
         for row in n.get("cpu", [])[:8]:
             c.print(f"  on the CPU: {row['nodes']} x {row['why']}")
     if info.get("onnxruntime_ops"):
