@@ -331,8 +331,10 @@ def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples:
             hurt = "; layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})"
                                                           for r in worst) if worst else ""
             raise CompileError(f"{g.symbol} on the NPU ({dtype}) does not agree with onnxruntime fp32 on {source}: "
-                               f"{'; '.join(bad)}{hurt}; nothing was written. Try --npu-dtype fp16, more "
-                               "calibration frames, or compile without --npu")
+                               f"{'; '.join(bad)}{hurt}; nothing was written. "
+                               + ("Try --npu-dtype fp16, more calibration frames, or compile without --npu"
+                                  if dtype == "int8" else "Compile without --npu (or report the model: fp16 "
+                                  "should keep it)"))
         g.rknn_blob = res["blob"]
         g.rknn = {"toolkit_version": res["toolkit_version"], "dtype": dtype, "target_platform": rknn.TARGET_PLATFORM,
                   "tolerance": tol,
