@@ -200,7 +200,7 @@ class HybridModule:
                                            if t not in ("Input", "Output") and b != sg.backend] or None
                     if orders.kind_of(order) == "rknn" and kind != "rknn":
                         sg.npu_unavailable = next((r.removeprefix("rknn: ") for r in reasons
-                                                   if r.startswith("rknn: ")), "not tried")
+                                                   if r.startswith("rknn: ")), f"not tried: delegate {delegate}")
                         if not self.npu_unavailable:
                             log.warning("npu: unavailable (%s); its orders run their ONNX rendering on %s",
                                         sg.npu_unavailable, kind)
