@@ -4,7 +4,10 @@
 in one is an InternalError (exit 3) naming the stage, a bad input a CompileError (exit 2):
 
     load       frontend.load: read, check, normalise (compiler/normalise.py), pin shapes, fold;
-               hatch.cut: nodes neither ACL nor the device's TVM runtime runs -> onnxruntime orders
+               hatch.cut: nodes neither ACL nor the device's TVM runtime runs -> onnxruntime orders;
+               with npu, what the NPU's table takes (compiler/npu.py) -> rknn orders
+    npu        (npu only) each rknn order converted by the RKNN toolkit (compiler/rknn.py, its own
+               venv) and checked in its simulator against onnxruntime; past its tolerance: refused
     import     importer.to_relax: ONNX -> Relax with weights as constants
     optimise   passes.optimise: fold, NHWC, layout transposes cancelled
     partition  the ACL table -> merged regions -> the cost policy keeps what pays -> symbols
@@ -201,7 +204,8 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
     Keyword arguments are the fields of :class:`Options` (``inputs=["x=1x3x224x224"]``,
     ``targets=["aarch64"]``, ``key=``, ``labels=``, ``mean=``, ``std=``, ``layout=``, ``bgr=``,
     ``policy="cost"|"all"|"none"``, ``profile=``, ``name=``, ``version=``, ``check=True``,
-    ``cache=True``), or pass an ``Options``. ``progress(message)`` is called as each stage starts;
+    ``cache=True``, ``npu=True`` with ``npu_dtype="int8"|"fp16"`` and ``npu_samples=`` (lists of
+    model inputs to calibrate and check on; rk3588 targets)), or pass an ``Options``. ``progress(message)`` is called as each stage starts;
     ``timings`` (a dict) receives each stage's seconds.
 
     Raises CompileError (bad input, exit 2) or InternalError (a stage failed, exit 3). Nothing is
@@ -265,7 +269,7 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     npu_summary = None
     with stage("load", timings):
         loaded = frontend.load(model, opts.inputs)
-        picked = _npu_pick(loaded, opts, tgts) if opts.npu else None
+        picked = npu.pick(loaded.proto, avoid=set(hatch.reasons(loaded.proto))) if opts.npu else None
         loaded.tvm_proto, loaded.hatch = hatch.cut(
             loaded.proto, opts.name or loaded.name, [i.as_dict() for i in loaded.inputs],
             npu=[(g, picked.taken) for g in picked.groups] if picked else ())
@@ -425,11 +429,6 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
     result = partition.partition(mod, name, keep)
     return Plan(name, result, [p for p in result.partitions if p.delegate], total_flops, model_us, measured, arch,
                 loaded.hatch)
-
-
-def _npu_pick(loaded: frontend.LoadedModel, opts: Options, tgts) -> npu.Pick:
-    """What the NPU takes of the loaded model, beside what must go to onnxruntime anyway."""
-    return npu.pick(loaded.proto, avoid=set(hatch.reasons(loaded.proto)))
 
 
 def _npu_manifest(loaded: frontend.LoadedModel, picked: npu.Pick, converted: list[dict]) -> dict:
