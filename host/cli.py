@@ -401,7 +401,13 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
                        f"{'ok' if c['ok'] else 'FAIL'}{tied}")
         for r in res["runs"]:
             for s in r["executors"]:
-                click.echo(f"  {r['delegate']}: {s['symbol']}: {s['executor']} ({s['backend']})")
+                click.echo(f"  {r['delegate']}: {s['symbol']}: {s['executor']} ({s['backend']})"
+                           + (f" [npu: unavailable ({s['npu_unavailable']})]" if s.get("npu_unavailable") else ""))
+        if res.get("npu"):
+            n = res["npu"]
+            click.echo(f"  npu: {n['share']:.1%} of the FLOPs in {len(n['orders'])} rknn order(s); at compile the "
+                       "simulator gave " + ", ".join(f"{o['symbol']} {o['dtype']} cosine {min(o['check']['cosine']):.4f}"
+                                                     f" on {o['check']['source']}" for o in n["orders"]))
         verdict = "PASS" if res["ok"] else "FAIL"
         if all(c["max_abs_err"] is None for c in res["cases"]):
             click.echo(f"{verdict}: the bundle did not run")

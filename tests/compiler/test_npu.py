@@ -87,6 +87,10 @@ def test_compile_npu_int8_puts_the_cnn_on_the_npu_and_the_simulator_agrees_with_
     assert any(r["why"].startswith("Erf: not in the NPU's op table") for r in n["cpu"])
     inspect = run_cli("tandoor", "inspect", str(out), check=True).stdout
     assert "NPU (rk3588): 100.0% of the FLOPs in 1 rknn order(s)" in inspect
+    # verify runs it here (no NPU: the ONNX rendering, exactly fp32) and shows the NPU part
+    ver = run_cli("tandoor", "verify", str(out), "--reference", str(tmp_path / "cnn.onnx"), check=True).stdout
+    assert "npu: 100.0% of the FLOPs in 1 rknn order(s); at compile the simulator gave" in ver
+    assert "[npu: unavailable (rknn-toolkit-lite2 not importable" in ver and "PASS" in ver
 
 
 def test_the_agent_runs_an_rknn_bundle_on_its_onnx_rendering_where_the_npu_runtime_is_missing(tmp_path):
