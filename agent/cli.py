@@ -165,6 +165,8 @@ def run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, dr
         click.echo(f"output {e['name']} {e['shape']}")
         for label, score in next((v for k, v in e.items() if k.startswith("top")), []):
             click.echo(f"  {score:6.3f}  {label}")
+    if result.get("npu"):
+        click.echo(f"npu: {result['npu']}")
     for s in result["subgraphs"]:
         bridge = f", bridge {s['bridge_us']:.0f} us/call" if "bridge_us" in s else ""
         layers = s.get("layers") or {}
@@ -266,13 +268,14 @@ def _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, i
                 outs = module.run(inputs)
                 times.append((time.perf_counter() - t0) * 1e3)
             subgraphs = module.describe()
+            npu = module.npu()
         finally:
             module.close()
     if save_dir is not None:
         save_dir.mkdir(parents=True, exist_ok=True)
         for j, o in enumerate(outs):
             np.save(save_dir / f"output_{j}.npy", o, allow_pickle=False)
-    result = {"model": m["model"], "outputs": [], "subgraphs": subgraphs,
+    result = {"model": m["model"], "outputs": [], "subgraphs": subgraphs, **({"npu": npu} if npu else {}),
               "latency_ms": {"median": float(np.median(times)), "p95": float(np.percentile(times, 95)), "runs": repeat}}
     for spec, o in zip(m["outputs"], outs):
         entry = {"name": spec["name"], "shape": list(o.shape)}

@@ -91,6 +91,9 @@ class Group:
     why: dict[str, str] = field(default_factory=dict)    # op type -> reason
     specs: dict[str, tuple[list[int], str]] = field(default_factory=dict)   # name -> (shape, dtype)
     onnx_bytes: bytes = b""
+    kind: str = "onnx"           # the order's kind: "onnx", or "rknn" (compiler/npu.py picked it)
+    rknn: dict = field(default_factory=dict)    # an rknn order's toolkit facts (compiler/rknn.py)
+    rknn_blob: bytes = b""
     tail: bool = False                # runs after the VM (module doc); its outputs may be any size
 
     @property
@@ -103,19 +106,27 @@ class Group:
             shape, dtype = self.specs[n]
             return {"name": n, "shape": shape, "dtype": dtype}
 
-        return {"order_version": orders.ONNX_ORDER_VERSION, "kind": "onnx", "symbol": self.symbol,
-                "onnx_ops": sorted(set(self.op_types)),
-                "inputs": [spec(n) for n in self.inputs], "outputs": [spec(n) for n in self.outputs],
-                "tensors": {n: {k: v for k, v in spec(n).items() if k != "name"} for n in self.inputs + self.outputs},
-                "weights": {}, "ops": []}
+        order = {"order_version": orders.ONNX_ORDER_VERSION, "kind": "onnx", "symbol": self.symbol,
+                 "onnx_ops": sorted(set(self.op_types)),
+                 "inputs": [spec(n) for n in self.inputs], "outputs": [spec(n) for n in self.outputs],
+                 "tensors": {n: {k: v for k, v in spec(n).items() if k != "name"} for n in self.inputs + self.outputs},
+                 "weights": {}, "ops": []}
+        if self.kind == "rknn":
+            order.update(order_version=orders.RKNN_ORDER_VERSION, kind="rknn", rknn=dict(self.rknn))
+        return order
 
     def manifest_entry(self, member: str) -> dict:
         ops = Counter(self.op_types)
-        return {"symbol": self.symbol, "ops": [f"onnx.{o}" for o in self.op_types], "composites": [],
-                "delegate": True, "executor": "onnxruntime", "kind": "onnx",
-                "reason": "onnxruntime: " + "; ".join(f"{o}: {self.why[o]}" for o in ops),
-                "why": dict(self.why), "nodes": [n.name or n.output[0] for n in self.nodes],
-                "est": {}, "order": f"{member}.json", "onnx": f"{member}.onnx"}
+        entry = {"symbol": self.symbol, "ops": [f"onnx.{o}" for o in self.op_types], "composites": [],
+                 "delegate": True, "executor": "onnxruntime", "kind": "onnx",
+                 "reason": "onnxruntime: " + "; ".join(f"{o}: {self.why[o]}" for o in ops),
+                 "why": dict(self.why), "nodes": [n.name or n.output[0] for n in self.nodes],
+                 "est": {}, "order": f"{member}.json", "onnx": f"{member}.onnx"}
+        if self.kind == "rknn":
+            entry.update(executor="rknn", kind="rknn", rknn=f"{member}.rknn",
+                         reason=f"rknn: {len(self.nodes)} node(s) the RK3588 NPU takes (compiler/npu.py)",
+                         est={"source": "estimate (NPU op table)"})
+        return entry
 
 
 def op_name(node: onnx.NodeProto) -> str:
@@ -142,7 +153,7 @@ def reasons(model: onnx.ModelProto) -> dict[int, str]:
     return out
 
 
-def _groups(model: onnx.ModelProto, picked: dict[int, str]) -> list[list[int]]:
+def merge(model: onnx.ModelProto, picked: dict[int, str]) -> list[list[int]]:
     """Picked nodes merged along direct edges between them, unless the merge would make a cycle
     (a path from one to the other through a node that stays in TVM)."""
     nodes = list(model.graph.node)
@@ -235,25 +246,30 @@ def _run_for_shapes(model: onnx.ModelProto, names: list[str], inputs: list[dict]
     return runs
 
 
-def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict]) -> tuple[onnx.ModelProto, list[Group]]:
+def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict],
+        npu: list[tuple[list[int], dict[int, str]]] = ()) -> tuple[onnx.ModelProto, list[Group]]:
     """(the model with each group as a placeholder node and without the tail, the groups with the
     tail last); the model itself when no node needs onnxruntime. ``inputs``: the model's input
-    specs (for sizing outputs by running it)."""
+    specs (for sizing outputs by running it). ``npu``: groups of node indices the NPU takes
+    (compiler/npu.py pick, disjoint from ``reasons``), each with its nodes' reasons: they become
+    groups of kind "rknn" (converted later); a node of the tail leaves its group."""
     nodes = list(model.graph.node)
     tail_at = _tail(model)
     picked = {k: why for k, why in reasons(model).items() if k not in tail_at}
-    if not picked and not tail_at:
+    if not picked and not tail_at and not npu:
         return model, []
     inits = {i.name: i for i in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
     prefix = symbol_prefix(model_name)
     groups: list[Group] = []
-    runs = [(f"{prefix}_ort_{k}", members, picked) for k, members in enumerate(_groups(model, picked))]
+    cuts = [(f"{prefix}_ort_{k}", "onnx", members, picked) for k, members in enumerate(merge(model, picked))]
+    cuts += [(f"{prefix}_rknn_{k}", "rknn", kept, why) for k, (members, why) in enumerate(npu)
+             if (kept := [m for m in members if m not in tail_at])]
     if tail_at:
-        runs.append((f"{prefix}_tail", sorted(tail_at), tail_at))
-    for symbol, members, why in runs:
-        g = Group(symbol, [nodes[m] for m in members], tail=why is tail_at,
-                  why={op_name(nodes[m]): why[m] for m in members})
+        cuts.append((f"{prefix}_tail", "onnx", sorted(tail_at), tail_at))
+    for symbol, kind, members, why in cuts:
+        g = Group(symbol, [nodes[m] for m in members], why={op_name(nodes[m]): why[m] for m in members}, kind=kind,
+                  tail=why is tail_at)
         made = {o for n in g.nodes for o in n.output if o}
         for n in g.nodes:
             for i in reads(n):

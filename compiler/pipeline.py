@@ -4,7 +4,10 @@
 in one is an InternalError (exit 3) naming the stage, a bad input a CompileError (exit 2):
 
     load       frontend.load: read, check, normalise (compiler/normalise.py), pin shapes, fold;
-               hatch.cut: nodes neither ACL nor the device's TVM runtime runs -> onnxruntime orders
+               hatch.cut: nodes neither ACL nor the device's TVM runtime runs -> onnxruntime orders;
+               with npu, what the NPU's table takes (compiler/npu.py) -> rknn orders
+    npu        (npu only) each rknn order converted by the RKNN toolkit (compiler/rknn.py, its own
+               venv) and checked in its simulator against onnxruntime; past its tolerance: refused
     import     importer.to_relax: ONNX -> Relax with weights as constants
     optimise   passes.optimise: fold, NHWC, layout transposes cancelled
     partition  the ACL table -> merged regions -> the cost policy keeps what pays -> symbols
@@ -44,7 +47,8 @@ import numpy as np
 from tandoor_contract import agreement, durable, hmod, media, probe
 
 from . import cache as cache_mod
-from . import check_facts, frontend, order_onnx, quantize
+from . import check_facts, frontend, npu, order_onnx, quantize
+from . import rknn as rknn_mod
 from . import profile as profile_mod
 from . import targets as targets_mod
 from .errors import CompileError, InternalError
@@ -77,6 +81,12 @@ class Options:
     decoder: str | None = None
     decoder_options: dict = field(default_factory=dict)  # conf, iou, max_det and the decoder's own
     cache: bool = True            # take the bundle from the compile cache when it holds it (compiler/cache.py)
+    # the RK3588's NPU (compiler/npu.py): what its table takes becomes rknn orders, converted by the
+    # RKNN toolkit (compiler/rknn.py) in int8 (calibrated on npu_samples: model inputs made from the
+    # calibration frames by the bundle's preprocessing) or fp16
+    npu: bool = False
+    npu_dtype: str = "int8"
+    npu_samples: list | None = None
 
 
 def _tandoor_version() -> str:
@@ -160,7 +170,7 @@ def _npy(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-STAGES = ("cache", "startup", "load", "import", "optimise", "partition", "measure", "codegen", "build", "golden", "write", "check")
+STAGES = ("cache", "startup", "load", "npu", "import", "optimise", "partition", "measure", "codegen", "build", "golden", "write", "check")
 MEASURES = ("auto", "on", "off")
 POLICIES = ("cost", "all", "none")
 
@@ -194,7 +204,8 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
     Keyword arguments are the fields of :class:`Options` (``inputs=["x=1x3x224x224"]``,
     ``targets=["aarch64"]``, ``key=``, ``labels=``, ``mean=``, ``std=``, ``layout=``, ``bgr=``,
     ``policy="cost"|"all"|"none"``, ``profile=``, ``name=``, ``version=``, ``check=True``,
-    ``cache=True``), or pass an ``Options``. ``progress(message)`` is called as each stage starts;
+    ``cache=True``, ``npu=True`` with ``npu_dtype="int8"|"fp16"`` and ``npu_samples=`` (lists of
+    model inputs to calibrate and check on; rk3588 targets)), or pass an ``Options``. ``progress(message)`` is called as each stage starts;
     ``timings`` (a dict) receives each stage's seconds.
 
     Raises CompileError (bad input, exit 2) or InternalError (a stage failed, exit 3). Nothing is
@@ -216,6 +227,18 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
     for label, path in (("--labels", opts.labels), ("--profile", opts.profile)):
         if path is not None and not Path(path).is_file():
             raise CompileError(f"{label} {path}: no such file")
+
+    if opts.npu:
+        if not any(t.name == "rk3588" for t in tgts):
+            raise CompileError("--npu is the RK3588's NPU: give --target rk3588")
+        if opts.npu_dtype not in rknn_mod.DTYPES:
+            raise CompileError(f"unknown --npu-dtype {opts.npu_dtype}; choose {', '.join(rknn_mod.DTYPES)}")
+        if opts.npu_dtype == "int8" and not opts.npu_samples:
+            raise CompileError("--npu converts to INT8 calibrated on your frames: give --calibration DIR|VIDEO, "
+                               "or --npu-dtype fp16")
+        rknn_mod.python()      # the toolkit's venv, or the one line saying how to make it
+        # the calibration frames are not part of the cache key yet: an NPU compile is never cached
+        opts = dataclasses.replace(opts, cache=False)
 
     ckey = None
     # a failpoint tests a stage: it must run, not come from the cache
@@ -243,12 +266,23 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
         from . import codegen, cost, hatch, importer, partition, passes, report
 
     say("loading and normalising the ONNX model")
+    npu_summary = None
     with stage("load", timings):
         loaded = frontend.load(model, opts.inputs)
-        loaded.tvm_proto, loaded.hatch = hatch.cut(loaded.proto, opts.name or loaded.name,
-                                                   [i.as_dict() for i in loaded.inputs])
+        picked = npu.pick(loaded.proto, avoid=set(hatch.reasons(loaded.proto))) if opts.npu else None
+        loaded.tvm_proto, loaded.hatch = hatch.cut(
+            loaded.proto, opts.name or loaded.name, [i.as_dict() for i in loaded.inputs],
+            npu=[(g, picked.taken) for g in picked.groups] if picked else ())
     for g in loaded.hatch:
-        say(f"{g.symbol}: {', '.join(g.op_types)} to onnxruntime" + (" after the TVM part" if g.tail else ""))
+        say(f"{g.symbol}: {len(g.nodes)} node(s) to {'the NPU' if g.kind == 'rknn' else 'onnxruntime'}"
+            + (f" ({', '.join(g.op_types)})" if g.kind == "onnx" else "") + (" after the TVM part" if g.tail else ""))
+    if picked is not None:
+        with stage("npu", timings):
+            probes = [probe.inputs({"inputs": [i.as_dict() for i in loaded.inputs]}, seed=k + 1)
+                      for k in range(GOLDEN_PAIRS)]
+            orders_ = npu.convert_groups(loaded.proto, loaded.hatch, dtype=opts.npu_dtype, samples=opts.npu_samples,
+                                         probe_inputs=probes, say=say)
+            npu_summary = _npu_manifest(loaded, picked, orders_)
     _media(opts, [i.as_dict() for i in loaded.inputs], {})     # a bad --mean or --decoder fails here, before the work
     say("importing into TVM Relax")
     with stage("import", timings):
@@ -274,6 +308,8 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
         golden, tolerance = _golden_members(loaded, members)
     manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, golden, model, members,
                          tolerance)
+    if npu_summary is not None:
+        manifest["npu"] = npu_summary
     if ckey is not None:
         manifest["cache"] = {"key": ckey, "hit": False}
     with stage("golden", timings):   # a QDQ model: golden within quantization steps, not fp32's tolerance
@@ -395,6 +431,21 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
                 loaded.hatch)
 
 
+def _npu_manifest(loaded: frontend.LoadedModel, picked: npu.Pick, converted: list[dict]) -> dict:
+    """The manifest's ``npu``: FLOPs (of the ONNX model, compiler/npu.py's count) in rknn orders,
+    each order's toolkit facts and simulator check, and why the rest stayed on the CPU."""
+    from collections import Counter
+
+    nodes = list(loaded.proto.graph.node)
+    total = sum(picked.flops.values())
+    on_npu = sum(picked.flops[k] for g in picked.groups for k in g)
+    why = Counter(f"{nodes[k].op_type}: {r}" for k, r in {**picked.refused, **picked.dropped}.items())
+    return {"target_platform": rknn_mod.TARGET_PLATFORM, "flops_total": round(total), "flops_rknn": round(on_npu),
+            "share": round(on_npu / total, 4) if total else 0.0, "source": "estimate (NPU op table)",
+            "orders": converted,
+            "cpu": [{"why": w, "nodes": n} for w, n in why.most_common()]}
+
+
 def _measures(opts: Options, tgts, plan: Plan) -> bool:
     """Measure when the decisions are for this machine (no board target), the cost policy decides,
     no profile was given, and there is something to decide."""
@@ -476,6 +527,8 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
         if g.tail:      # not a VM call: the manifest's ``tail`` (_manifest) says how it runs
             continue
         members[f"{member}.json"] = json.dumps(g.order(), sort_keys=True, separators=(",", ":")).encode()
+        if g.kind == "rknn":
+            members[f"{member}.rknn"] = g.rknn_blob
         parts_manifest.append(g.manifest_entry(member))
     return members, parts_manifest, fallbacks
 

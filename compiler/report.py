@@ -36,6 +36,7 @@ def summary(bundle: hmod.Bundle) -> dict:
     info["quantized"], info["tolerance"] = m.get("quantized"), m.get("tolerance")
     info["signed"] = bundle.signed
     info["created"], info["cache"] = m.get("created"), m.get("cache")
+    info["npu"] = m.get("npu")     # rknn orders: FLOP share on the NPU, toolkit facts, simulator check
     return info
 
 
@@ -44,7 +45,7 @@ def runs_on(p: dict) -> str:
     compiler/hatch.py) or TVM (kept in the TVM side)."""
     if not p["delegate"]:
         return "TVM"
-    return "onnxruntime" if p.get("kind") == "onnx" else "ACL"
+    return {"onnx": "onnxruntime", "rknn": "NPU"}.get(p.get("kind"), "ACL")
 
 
 def onnxruntime_ops(partitions: list[dict]) -> list[dict]:
@@ -127,6 +128,25 @@ def print_summary(info: dict) -> None:
         elif runs_on(p) != "onnxruntime" and (p.get("est") or {}).get("source", "estimate").startswith("estimate"):
             c.print(f"[bold]{p['symbol']}[/] decided from estimates (no measurement: a board target without "
                     "--profile, or --measure off)")
+    if info.get("npu"):
+        n = info["npu"]
+        c.print(f"[bold]NPU ({n['target_platform']})[/]: {n['share']:.1%} of the FLOPs in {len(n['orders'])} rknn "
+                f"order(s), {n['source']}")
+        t = Table(title="rknn orders (simulator vs onnxruntime fp32)")
+        for col in ("order", "dtype", "toolkit", "cosine (min)", "max error", "tolerance", "checked on"):
+            t.add_column(col)
+        for o in n["orders"]:
+            t.add_row(o["symbol"], o["dtype"], o["toolkit_version"], f"{min(o['check']['cosine']):.4f}",
+                      f"{max(o['check']['max_err']):.3f}",
+                      f"cosine >= {o['tolerance']['cosine']}, error <= {o['tolerance']['max_err']}", o["check"]["source"])
+        c.print(t)
+        for o in n["orders"]:
+            worst = o.get("worst_layers") or []
+            if worst:   # the toolkit's accuracy analysis: cosine to fp32 accumulated up to each layer
+                c.print(f"  {o['symbol']} layers furthest from fp32: " + ", ".join(
+                    f"{r['layer']} ({r['op']}) {r['cosine']:.4f}" for r in worst[:3]))
+        for row in n.get("cpu", [])[:8]:
+            c.print(f"  on the CPU: {row['nodes']} x {row['why']}")
     if info.get("onnxruntime_ops"):
         t = Table(title="ONNX nodes run by onnxruntime (neither ACL nor the device's TVM runtime runs them)")
         t.add_column("op")

@@ -26,16 +26,18 @@ from typing import Any
 # int8 weights, int32 biases, each with a ``quant`` object; QUANT below). 3: the order may be of
 # kind "onnx" (KINDS). The compiler writes the lowest version that describes the order (1 for a
 # float layer list), so agents that know only 1 still run float bundles, and an agent refuses a
-# quantized or onnx order it cannot read instead of computing something else.
-ORDER_VERSION = 3
-ORDER_VERSIONS = (1, 2, 3)
+# quantized or onnx order it cannot read instead of computing something else. 4: the order may be
+# of kind "rknn" (an RK3588 NPU model beside its ONNX rendering); older kinds keep their versions.
+ORDER_VERSION = 4
+ORDER_VERSIONS = (1, 2, 3, 4)
 QUANT_ORDER_VERSION = 2
 ONNX_ORDER_VERSION = 3
+RKNN_ORDER_VERSION = 4
 
 # What runs an order on a device (the agent's executor registry implements each; profiles and the
 # manifest's executor hints name them). FALLBACK is the order compiled by TVM alone: it runs
 # anywhere, so delegating *to* it gains nothing over leaving the subgraph in TVM.
-EXECUTORS = ("armnn", "onnxruntime", "tvm")
+EXECUTORS = ("armnn", "onnxruntime", "tvm", "rknn")
 FALLBACK = "tvm"
 
 # What an order holds (its ``kind``; absent: "layers"), and the executors that can run each kind.
@@ -43,7 +45,12 @@ FALLBACK = "tvm"
 # that neither ACL nor the device's TVM runtime can run (an op TVM's importer lacks, or one TVM
 # lowers to a function only its compiler library registers); ``ops`` is empty, ``onnx_ops`` lists
 # the ONNX op types, and the order's ONNX rendering (the original nodes) is all there is to run.
-KINDS: dict[str, tuple[str, ...]] = {"layers": EXECUTORS, "onnx": ("onnxruntime",)}
+# "rknn": nodes the RK3588's NPU takes (compiler/npu.py), as the toolkit's ``.rknn`` model (the
+# manifest entry's ``rknn`` member) and as their ONNX rendering, which onnxruntime runs wherever the
+# NPU's runtime is missing or of another version; ``rknn`` holds {"toolkit_version", "dtype",
+# "target_platform", "tolerance", "check"} (docs/npu.md).
+KINDS: dict[str, tuple[str, ...]] = {"layers": ("armnn", "onnxruntime", "tvm"), "onnx": ("onnxruntime",),
+                                     "rknn": ("rknn", "onnxruntime")}
 
 
 def kind_of(order: Mapping) -> str:

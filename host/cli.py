@@ -193,10 +193,16 @@ def main() -> None:
 @click.option("--int8", is_flag=True,
               help="Quantize to INT8 first (as tandoor quantize, minmax, per-channel) on --calibration's images, "
                    "preprocessed by the flags above, and compile the QDQ model.")
+@click.option("--npu", is_flag=True,
+              help="RK3588: what the NPU's op table takes (compiler/npu.py) becomes rknn orders, converted by the RKNN "
+                   "toolkit (.venv-rknn) and checked in its simulator; needs --target rk3588 (docs/npu.md).")
+@click.option("--npu-dtype", type=click.Choice(["int8", "fp16"]), default="int8", show_default=True,
+              help="With --npu: INT8 calibrated on --calibration's frames (preprocessed by the flags above), or fp16.")
 @click.option("--calibration", type=click.Path(path_type=Path),
-              help="With --int8: a directory of images or a video like the deployment's camera sees.")
+              help="With --int8 or --npu: a directory of images or a video like the deployment's camera sees.")
 @click.option("--images", "calib_count", type=click.IntRange(1), default=None,
-              help="With --int8: calibrate on N images (default: the directory's, 300 frames of a video).")
+              help="With --int8 or --npu: calibrate on N images (default: the directory's; 300 frames of a video, "
+                   "50 with --npu).")
 @keep_fp32_option
 @budget_options
 @click.option("--no-cache", is_flag=True,
@@ -207,7 +213,8 @@ def main() -> None:
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
             build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
-            decoder_opts, int8, calibration, calib_count, keep_fp32, validation, max_drop, no_cache, timings, quiet):
+            decoder_opts, int8, npu, npu_dtype, calibration, calib_count, keep_fp32, validation, max_drop, no_cache,
+            timings, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
@@ -215,6 +222,15 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
 
     from .quantize import quantize_with_calibration
 
+    npu_samples = None
+    if npu:
+        if int8:
+            raise CompileError("--npu quantizes for the NPU itself: drop --int8 (--npu-dtype int8 is the default)")
+        if calibration is not None:
+            npu_samples = _npu_samples(model, inputs, calibration, calib_count, dict(
+                mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
+                pad_value=pad_value, pixel_range=pixel_range))
+        calibration = calib_count = None
     if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32 or max_drop is not None) and not int8):
         raise CompileError("--int8 and --calibration go together (--images, --keep-fp32 and --max-drop with them): give "
                            "both to quantize on your images first, or neither")
@@ -225,7 +241,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
                    resize=resize, letterbox_align=letterbox_align, pad_value=pad_value, pixel_range=pixel_range,
                    decoder=decoder,
                    decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det},
-                   cache=not no_cache)
+                   cache=not no_cache, npu=npu, npu_dtype=npu_dtype, npu_samples=npu_samples)
     console = Console(stderr=True, quiet=quiet, log_path=False)
     times: dict[str, float] = {}
     source = model     # the fp32 model: what --max-drop judges the INT8 bundle against
@@ -256,11 +272,18 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             finally:
                 if staged != Path(out):
                     staged.unlink(missing_ok=True)
-    kept = [x for x in p["partitions"] if x["delegate"] and x.get("kind") != "onnx"]
+    kept = [x for x in p["partitions"] if x["delegate"] and x.get("kind") not in ("onnx", "rknn")]
     ort_ops = Counter(o.removeprefix("onnx.") for x in p["partitions"] if x.get("kind") == "onnx" for o in x["ops"])
     share = p.get("flops_delegated", 0) / p["flops_total"] if p.get("flops_total") else 0.0
     for note in p.get("notes") or ():
         console.print(f"[yellow]note[/] {note}")
+    if p.get("npu"):
+        n = p["npu"]
+        console.print(f"[green]npu[/] {n['share']:.1%} of the FLOPs in {len(n['orders'])} rknn order(s) "
+                      + ", ".join(f"{o['symbol']} {o['dtype']} (simulator vs onnxruntime: cosine "
+                                  f"{min(o['check']['cosine']):.4f}"
+                                  + "".join(f", top-1 {t:.0%}" for t in o["check"].get("top1") or () if t is not None)
+                                  + f" on {o['check']['source']})" for o in n["orders"]))
     console.print(
         f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL"
         + (f" ({p['flops_delegated_int8'] / p['flops_total']:.1%} as INT8)" if p.get("flops_delegated_int8") else "")
@@ -276,6 +299,27 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
            else ""))
     if timings or DEBUG:
         _print_timings(times)
+
+
+NPU_FRAMES = 50      # frames of a video for --npu, every fifth held out for the check (a directory: all its images)
+
+
+def _npu_samples(model, inputs, calibration, count, flags: dict) -> list[list]:
+    """The model inputs --npu calibrates (and checks) on: --calibration's images or video frames,
+    preprocessed as the device will (tandoor quantize's reader, host/calibration.py)."""
+    from tandoor_compiler import frontend
+
+    from . import calibration as calib
+    from .quantize import preprocess_entry
+
+    loaded = frontend.load(model, list(inputs))
+    if len(loaded.inputs) != 1:
+        raise CompileError(f"the model has {len(loaded.inputs)} inputs; calibration from images feeds one image input")
+    src = calib.open_source(calibration)
+    n = count if count is not None else (min(NPU_FRAMES, src.size) if src.is_video else src.size)
+    pre = preprocess_entry(loaded.inputs, **flags)
+    spec = {**loaded.inputs[0].as_dict(), "layout": flags.get("layout") or media.guess_layout(loaded.inputs[0].shape)}
+    return [[x] for x in calib.tensors(src, calib.pick(src.size, n), spec, pre)]
 
 
 def _print_timings(times: dict[str, float]) -> None:
@@ -357,7 +401,13 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
                        f"{'ok' if c['ok'] else 'FAIL'}{tied}")
         for r in res["runs"]:
             for s in r["executors"]:
-                click.echo(f"  {r['delegate']}: {s['symbol']}: {s['executor']} ({s['backend']})")
+                click.echo(f"  {r['delegate']}: {s['symbol']}: {s['executor']} ({s['backend']})"
+                           + (f" [npu: unavailable ({s['npu_unavailable']})]" if s.get("npu_unavailable") else ""))
+        if res.get("npu"):
+            n = res["npu"]
+            click.echo(f"  npu: {n['share']:.1%} of the FLOPs in {len(n['orders'])} rknn order(s); at compile the "
+                       "simulator gave " + ", ".join(f"{o['symbol']} {o['dtype']} cosine {min(o['check']['cosine']):.4f}"
+                                                     f" on {o['check']['source']}" for o in n["orders"]))
         verdict = "PASS" if res["ok"] else "FAIL"
         if all(c["max_abs_err"] is None for c in res["cases"]):
             click.echo(f"{verdict}: the bundle did not run")

@@ -133,5 +133,10 @@ def verify(bundle_path: str | Path, reference: str | Path, delegate: str | None 
                         if not c["ok"]), None),
         "atol": top.atol, "rtol": top.rtol, "tolerance": m.get("tolerance"), "cases": results,
         "runs": runs, "subgraphs": subgraphs or [],
+        # compile --npu: the NPU's share and what its simulator check found (the rknn orders ran
+        # here on whatever this machine has: their ONNX rendering without an NPU)
+        "npu": ({k: m["npu"][k] for k in ("share", "flops_rknn", "flops_total")}
+                | {"orders": [{"symbol": o["symbol"], "dtype": o["dtype"], "toolkit_version": o["toolkit_version"],
+                               "check": o["check"]} for o in m["npu"]["orders"]]} if m.get("npu") else None),
         "reference_matches_source": hashlib.sha256(ref_path.read_bytes()).hexdigest() == m["model"]["source_sha256"],
     }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything Tandoor needs on a fresh Debian (bookworm) machine.
 # Idempotent: a second run checks and returns quickly. Quiet unless it has work to do.
-#   scripts/setup.sh            host tools + agent + test deps into .venv
-# Env: TANDOOR_PYTHON (interpreter for the venv, default python3), TANDOOR_SKIP_APT=1.
+#   scripts/setup.sh            host tools + agent + test deps into .venv; on x86_64 the RKNN
+#                               toolkit into .venv-rknn (tandoor compile --npu)
+# Env: TANDOOR_PYTHON (interpreter for the venv, default python3), TANDOOR_SKIP_APT=1,
+#      TANDOOR_SKIP_RKNN=1 (no .venv-rknn), TANDOOR_RKNN_TORCH (the torch requirement there).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -47,4 +49,35 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$VENV/bin/python" -m pip install -q -e "$ROOT[host,agent,demo,test]"
   echo "$WANT" > "$STAMP"
+fi
+
+# The RKNN toolkit (rknn-toolkit2, `tandoor compile --npu`) pins numpy<=1.26, onnx<=1.18,
+# protobuf<=4.25 and torch<=2.4, so it lives in its own venv, driven by the compiler as a
+# subprocess (compiler/rknn_worker.py); x86_64 hosts only (its wheels are x86_64 and aarch64,
+# the aarch64 one for boards that convert on the board). Torch: its Linux wheels <= 2.4 pull the
+# CUDA stack, so the toolkit goes in without dependencies, then its dependencies with the venv's
+# pins, then the CPU torch pip finds (the toolkit imports and runs with it; docs/npu.md).
+RKNN_VENV="$ROOT/.venv-rknn"
+RKNN_TORCH="${TANDOOR_RKNN_TORCH:-torch==2.13.0+cpu}"   # a CPU wheel: PyPI's Linux torch pulls CUDA
+RKNN_PINS=(rknn-toolkit2==2.5.0 "numpy<=1.26.4" "onnx>=1.16.1,<=1.18" "protobuf>=4.21.6,<=4.25.4"
+           "setuptools<81" opencv-python-headless "onnxruntime>=1.17" scipy psutil ruamel.yaml tqdm
+           fast-histogram)
+if [[ "$(uname -m)" == x86_64 && "${TANDOOR_SKIP_RKNN:-0}" != 1 ]]; then
+  RKNN_STAMP="$RKNN_VENV/.tandoor-deps"
+  RKNN_WANT="$(printf '%s\n' "${RKNN_PINS[@]}" "$RKNN_TORCH" | sha256sum | cut -c1-16)"
+  if [[ "$(cat "$RKNN_STAMP" 2>/dev/null)" != "$RKNN_WANT" ]]; then
+    say "installing the RKNN toolkit into .venv-rknn (first run takes a few minutes)"
+    [[ -x "$RKNN_VENV/bin/python" ]] || "$PY" -m venv "$RKNN_VENV"
+    # pip's resolver complains of the toolkit's torch and opencv-python pins, installed on purpose otherwise
+    rpip() { "$RKNN_VENV/bin/python" -m pip install -q "$@" 2>&1 \
+               | { grep -v -e "dependency resolver" -e "^rknn-toolkit2 .* requires" -e "is ignored: it is neither" >&2 || true; }; }
+    rpip --upgrade pip
+    rpip --no-deps "${RKNN_PINS[0]}"
+    rpip "${RKNN_PINS[@]:1}"
+    rpip "$RKNN_TORCH" "setuptools<81" \
+      || { say "no $RKNN_TORCH wheel found: give pip the CPU index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) or set TANDOOR_RKNN_TORCH"; exit 1; }
+    "$RKNN_VENV/bin/python" -c "import pkg_resources; from rknn.api import RKNN" >/dev/null 2>&1 \
+      || { say "the RKNN toolkit does not import in .venv-rknn; see docs/npu.md"; exit 1; }
+    echo "$RKNN_WANT" > "$RKNN_STAMP"
+  fi
 fi

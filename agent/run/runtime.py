@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import hmod, tail as tail_mod
+from tandoor_contract import hmod, orders, tail as tail_mod
 from tandoor_contract.errors import TandoorError
 
 from . import executors
@@ -53,6 +53,7 @@ class Subgraph:
     calls: int = 0
     seconds: float = 0.0
     zero_copy: bool = False  # outputs written straight into the VM's buffers on the last call
+    npu_unavailable: str | None = None   # an rknn order on its fallback: why the NPU could not take it
     # per call, nanoseconds: whole delegate call, and the library's own run inside it
     total_ns: list[int] = field(default_factory=list)
     run_ns: list[int] = field(default_factory=list)
@@ -74,9 +75,9 @@ class Subgraph:
 
 
 def _build_executor(kind: str, bundle: hmod.Bundle, symbol: str, order: dict, target: str, workdir: Path,
-                    armnn_backends: tuple[str, ...]):
+                    armnn_backends: tuple[str, ...], npu_cores: tuple[int, ...] = (0, 1, 2)):
     part = next((p for p in bundle.manifest.get("partitions", []) if p.get("symbol") == symbol), {})
-    ctx = executors.BuildContext(bundle, symbol, order, part, target, workdir, armnn_backends)
+    ctx = executors.BuildContext(bundle, symbol, order, part, target, workdir, armnn_backends, npu_cores)
     try:
         return executors.build(kind, ctx)
     except executors.Unavailable as e:
@@ -140,7 +141,7 @@ class HybridModule:
 
     def __init__(self, bundle: hmod.Bundle, delegate: str = "auto",
                  armnn_backends: tuple[str, ...] = DEFAULT_ARMNN_BACKENDS,
-                 workdir: Path | None = None) -> None:
+                 workdir: Path | None = None, npu_cores: tuple[int, ...] = (0, 1, 2)) -> None:
         if delegate not in ("auto", *EXECUTORS):
             raise RuntimeError_(f"unknown --delegate {delegate!r}; choose from auto, {', '.join(EXECUTORS)}")
         self.bundle = bundle
@@ -166,6 +167,7 @@ class HybridModule:
             workdir = Path(self._tmp.name)
         self.workdir = workdir
         self.subgraphs: list[Subgraph] = []
+        self.npu_unavailable: str | None = None     # why rknn orders run on their fallback here
         self._executors = {}
         preference = _auto_preference(armnn_backends) if delegate == "auto" else \
             [delegate] + [e for e in EXECUTORS if e != delegate]
@@ -183,8 +185,11 @@ class HybridModule:
                 hint = part.get("executor") if delegate == "auto" and profiled_here else None
                 order_pref = [hint] + [e for e in preference if e != hint] if hint in EXECUTORS else preference
                 for kind in order_pref:
+                    if kind != delegate and orders.refuses(kind, order):
+                        continue    # not one of this order kind's runners, nor asked for: no reason to say
                     try:
-                        ex = _build_executor(kind, bundle, symbol, order, self.target, workdir, armnn_backends)
+                        ex = _build_executor(kind, bundle, symbol, order, self.target, workdir, armnn_backends,
+                                             tuple(npu_cores))
                     except hmod.BundleError:
                         raise  # the bundle itself is bad: not a reason to try another executor
                     except Exception as err:  # this executor cannot build it -> the next one
@@ -194,6 +199,13 @@ class HybridModule:
                                   getattr(ex, "layer_counts", None))
                     sg.layers_elsewhere = [f"{n} ({t}) on {b}" for n, t, b in getattr(ex, "layer_backends", ())
                                            if t not in ("Input", "Output") and b != sg.backend] or None
+                    if orders.kind_of(order) == "rknn" and kind != "rknn":
+                        sg.npu_unavailable = next((r.removeprefix("rknn: ") for r in reasons
+                                                   if r.startswith("rknn: ")), f"not tried: delegate {delegate}")
+                        if not self.npu_unavailable:
+                            log.warning("npu: unavailable (%s); its orders run their ONNX rendering on %s",
+                                        sg.npu_unavailable, kind)
+                        self.npu_unavailable = self.npu_unavailable or sg.npu_unavailable
                     if reasons:
                         log.warning("%s runs on %s (fallback: %s)", symbol, kind, sg.fallback_reason)
                     else:
@@ -289,11 +301,21 @@ class HybridModule:
                 d["layers"] = dict(s.layers)
             if s.layers_elsewhere:
                 d["layers_elsewhere"] = list(s.layers_elsewhere)
+            if s.npu_unavailable:
+                d["npu_unavailable"] = s.npu_unavailable
             if s.calls:
                 d.update(calls=s.calls, run_us=round(s.run_us(), 1), bridge_us=round(s.bridge_us(), 1),
                          zero_copy=s.zero_copy)
             out.append(d)
         return out
+
+    def npu(self) -> str | None:
+        """What ``status`` says of the NPU: None without rknn orders, "rknn (<backend>)" when they run
+        on it, "unavailable (<reason>)" when they run on their ONNX rendering."""
+        if self.npu_unavailable:
+            return f"unavailable ({self.npu_unavailable})"
+        on = [s.backend for s in self.subgraphs if s.executor == "rknn"]
+        return f"rknn ({on[0]})" if on else None
 
     def reset_stats(self) -> None:
         for s in self.subgraphs:

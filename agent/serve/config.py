@@ -165,6 +165,15 @@ def str_list(options: tuple[str, ...]) -> Check:
     return check
 
 
+def int_list(options: tuple[int, ...]) -> Check:
+    def check(v, ctx):
+        if type(v) is not list or not v or any(type(x) is not int or x not in options for x in v):
+            raise Bad(f"must be a non-empty list of {', '.join(map(str, options))}, got {v!r}")
+        return sorted(set(v))
+    check.doc = "list of " + " | ".join(map(str, options))
+    return check
+
+
 def camera_source(v, ctx):
     """A frame-source spec as agent/serve/camera.py reads it; file:/images: paths made absolute."""
     from . import camera  # light: numpy only (OpenCV is imported when a source opens)
@@ -215,6 +224,8 @@ KEYS: tuple[Key, ...] = (
         "Executor tried first for delegated subgraphs (auto: armnn > onnxruntime > tvm)."),
     Key("armnn_backends", ["CpuAcc", "GpuAcc", "CpuRef"], str_list(("CpuAcc", "GpuAcc", "CpuRef")),
         "Arm NN backend preference, first that can run a subgraph wins."),
+    Key("npu_cores", [0, 1, 2], int_list((0, 1, 2)),
+        "RK3588 NPU cores an rknn order runs on (its core mask); default all three for one model."),
     Key("top_k", 5, integer(1, 100), "Classes reported per result for classifiers. Safe: set-config."),
     Key("telemetry_period_s", 5.0, number(0.1, 86400.0),
         "Seconds between telemetry messages. Safe: set-config."),

@@ -104,7 +104,8 @@ class Model:
         try:
             failpoints.hit("build", self.info["sha256"])
             self.module = HybridModule(self.bundle, delegate=cfg["delegate"],
-                                       armnn_backends=tuple(cfg["armnn_backends"]))
+                                       armnn_backends=tuple(cfg["armnn_backends"]),
+                                       npu_cores=tuple(cfg["npu_cores"]))
             self.pipeline = Pipeline(self.module, self.bundle.manifest, top_k=cfg["top_k"],
                                      postprocessor=cfg["postprocess.decoder"],
                                      options=config_mod.decoder_overrides(cfg))
@@ -188,6 +189,9 @@ class Service:
         if self.model is not None:
             s.update(model=self.model.info, slot=self.model.slot, bundle=str(self.model.path),
                      executors=self.model.executors())
+            npu = self.model.module.npu() if self.model.module is not None else None
+            if npu:
+                s["npu"] = npu
         if self.source is not None:
             s["camera"] = self.source.name
             lost = self.source.lost_info()

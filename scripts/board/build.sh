@@ -188,6 +188,11 @@ fetch_wheels() {
   if "${pip[@]}" download -q --disable-pip-version-check --only-binary=:all: "${plats[@]}" \
        --platform manylinux2014_aarch64 --python-version "$py" --implementation cp -d "$wh" \
        "$SRC_ROOT[agent]" "setuptools>=77" wheel 2>&1 | sed -u '/is ignored: it is neither/d' | prefix wheels; then
+    # the RK3588 NPU's Python API (the emulated boards stand for RK3588s): none for every Python
+    # (2.5.0 stops at 3.12), so this one may fail; install-on-board.sh then says so and goes on
+    "${pip[@]}" download -q --disable-pip-version-check --only-binary=:all: "${plats[@]}" \
+      --platform manylinux2014_aarch64 --python-version "$py" --implementation cp -d "$wh" \
+      "$(sed -n 's/^RKNN_LITE="\(.*\)"$/\1/p' "$INSTALLER")" 2>&1 | sed -u '/is ignored: it is neither/d' | prefix wheels || true
     echo "$wh"
   fi
 }
@@ -210,8 +215,9 @@ build_board() {
   wh="$(fetch_wheels "$new" "$CACHE/wheels")"
   if [[ -n "$wh" ]]; then
     say "$(find "$wh" -name '*.whl' | wc -l) wheels, $(du -sh "$wh" | cut -f1); the board's pip installs from them"
-    env=(TANDOOR_WHEELHOUSE=/work)
+    env=(TANDOOR_WHEELHOUSE=/work TANDOOR_RKNN=1)
   else
+    env=(TANDOOR_RKNN=1)
     say "could not download the wheels here; the board's pip downloads them itself (slower)"
   fi
   say "installing the agent on the board: $SRC_IN_BOARD/scripts/board/install-on-board.sh" \

@@ -17,11 +17,15 @@
 # - systemd/tandoor-agent.service, when the checkout has it, installed and enabled (not started)
 #   with what it expects: the `tandoor` system user and /etc/tandoor/agent.toml (from
 #   systemd/agent.toml.example unless there is one already).
+# - on an RK3588 (device tree rockchip,rk3588, or TANDOOR_RKNN=1): rknn-toolkit-lite2 into the
+#   venv, the rknn executor's RKNNLite (docs/npu.md), and a word on librknnrt.so when it is
+#   missing (no package registry has it; the agent then runs rknn orders on their ONNX rendering);
 # Idempotent. scripts/board/build.sh runs this same script inside the emulated boards.
 # Env: TANDOOR_VENV; TANDOOR_WHEELHOUSE=DIR installs from the wheels in DIR only (a board
 #      without internet; scripts/board/build.sh shows how to `pip download` them elsewhere);
 #      TANDOOR_GPUACC=1|0 installs the GpuAcc backend or not, whatever the Mali detection says;
-#      TANDOOR_DISTRO=CODENAME overrides /etc/os-release's VERSION_CODENAME (a derivative).
+#      TANDOOR_DISTRO=CODENAME overrides /etc/os-release's VERSION_CODENAME (a derivative);
+#      TANDOOR_RKNN=1|0 installs the RK3588 NPU's Python API or not, whatever the device tree says.
 #   --print-packages [CODENAME]  print the packages for CODENAME (default: this system's) and exit
 #   --service-only               only the systemd part (after the unit file changed)
 set -euo pipefail
@@ -65,6 +69,44 @@ install_service() {
     fi
   fi
   say "tandoor-agent.service installed and enabled (not started): edit /etc/tandoor/agent.toml, then systemctl start tandoor-agent"
+}
+
+# The RK3588's NPU: its Python API (the agent's rknn executor) is on PyPI; its runtime library
+# librknnrt.so is not (vendor images carry it). Must match the toolkit that writes the .rknn.
+RKNN_LITE="rknn-toolkit-lite2==2.5.0"
+RKNN_LIBS=(/usr/lib/librknnrt.so /usr/lib64/librknnrt.so /usr/lib/aarch64-linux-gnu/librknnrt.so /usr/local/lib/librknnrt.so)
+
+# Prints why this is an RK3588 (or TANDOOR_RKNN=1), or nothing.
+rk3588() {
+  case "${TANDOOR_RKNN:-auto}" in
+    1) echo "TANDOOR_RKNN=1"; return ;;
+    0) return 0 ;;
+  esac
+  local f
+  for f in /proc/device-tree/compatible /sys/firmware/devicetree/base/compatible; do
+    [[ -r "$f" ]] && tr '\0' '\n' < "$f" | grep -q '^rockchip,rk3588' && { echo "device tree rockchip,rk3588"; return; }
+  done
+  return 0
+}
+
+install_rknn() {
+  local why lib
+  why="$(rk3588)"
+  [[ -n "$why" ]] || return 0
+  say "RK3588 ($why): pip install $RKNN_LITE (RKNNLite, the agent's rknn executor)"
+  if ! "$VENV/bin/python" -m pip install --disable-pip-version-check --no-cache-dir --progress-bar off \
+         --only-binary=:all: "${index[@]}" "$RKNN_LITE"; then
+    say "pip could not install $RKNN_LITE for $("$VENV/bin/python" -V) (above; 2.5.0 has aarch64 wheels for" \
+        "CPython 3.6-3.12 only); rknn orders will run their ONNX rendering through onnxruntime"
+    return 0
+  fi
+  for lib in "${RKNN_LIBS[@]}"; do
+    [[ -e "$lib" ]] && { say "NPU runtime library: $lib"; return 0; }
+  done
+  say "librknnrt.so is missing: no package registry has it. Vendor RK3588 images carry it as /usr/lib/librknnrt.so;" \
+      "else copy rknpu2/runtime/Linux/librknn_api/aarch64/librknnrt.so from Rockchip's rknn-toolkit2 repository" \
+      "(release 2.5.0, the toolkit's) to /usr/lib. Until then rknn orders run their ONNX rendering and status says" \
+      "npu: unavailable"
 }
 
 this_codename() {
@@ -146,5 +188,6 @@ say "pip install '$SRC[agent]' into $VENV (binary wheels only${index:+, from $TA
 "$VENV/bin/python" -m pip install --disable-pip-version-check --no-cache-dir --progress-bar off \
   --only-binary=:all: "${index[@]}" "$SRC[agent]" "setuptools>=77" wheel
 
+install_rknn
 install_service
 say "done: $("$VENV/bin/tandoor-agent" --version)"

@@ -551,3 +551,37 @@ def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bund
     assert diff / step <= atol / step + 1e-4, f"INT8 on CpuAcc is {diff / step:.1f} steps from onnxruntime's QDQ run (tolerance {atol / step:.0f})"
     print(f"small CNN INT8 on armnn/CpuAcc ({board.describe}): {diff / step:.0f} step(s) from onnxruntime's QDQ "
           f"run, tolerance {atol / step:.0f}; {secs:.1f} s")
+
+
+def test_an_npu_bundle_runs_its_onnx_rendering_on_a_board_without_the_npu_runtime(board, bundles_dir, tmp_path):
+    """compile --npu (fp16, the RKNN toolkit on the host) gives an rknn order; the emulated boards
+    have rknn-toolkit-lite2 where a wheel exists for their Python (install-on-board.sh with
+    TANDOOR_RKNN=1) but no librknnrt.so and no NPU: the agent runs the order's ONNX rendering
+    through onnxruntime, matches the reference and says why the NPU is unavailable."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(31)
+    w = nh.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                           helper.make_node("Relu", ["c"], ["y"])], "npu_conv",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [1, 3, 32, 32])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 8, 32, 32])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    src, bundle = tmp_path / "npu_conv.onnx", bundles_dir / "npu_conv.hmod"
+    onnx.save(m, src)
+    if not bundle.exists():
+        run_cli("tandoor", "compile", str(src), "-o", str(bundle), "--target", "rk3588", "--npu", "--npu-dtype",
+                "fp16", check=True)
+    report, outs, _ = run_on_board(board, bundle, tmp_path)
+    [sg] = report["subgraphs"]
+    assert sg["executor"] == "onnxruntime", sg
+    lite = board.run([f"{board.venv}/bin/python", "-c", "import rknnlite.api"], timeout=600).returncode == 0
+    want = "librknnrt.so not found" if lite else "rknn-toolkit-lite2 not importable"
+    assert sg["npu_unavailable"].startswith(want), (sg, board.describe)
+    assert report["npu"] == f"unavailable ({sg['npu_unavailable']})"
+    assert_matches(outs, reference(bundle), "npu_conv")
+    print(f"npu fallback on {board.describe}: rknnlite {'installed' if lite else 'absent'}: {sg['npu_unavailable']}")

@@ -326,7 +326,11 @@ def test_an_order_kind_says_which_executors_may_run_it() -> None:
     from tandoor_contract import orders
 
     layers, onnx_order = dict(ORDER), {**ORDER, "order_version": 3, "kind": "onnx", "onnx_ops": ["LSTM"]}
-    assert all(orders.refuses(e, layers) is None for e in orders.EXECUTORS)
+    assert all(orders.refuses(e, layers) is None for e in orders.EXECUTORS if e != "rknn")
+    assert orders.refuses("rknn", layers) == "an layers order (layers) runs on armnn, onnxruntime, tvm only"
+    rknn_order = {**ORDER, "order_version": 4, "kind": "rknn", "onnx_ops": ["Conv"]}
+    assert orders.refuses("rknn", rknn_order) is None and orders.refuses("onnxruntime", rknn_order) is None
+    assert orders.refuses("armnn", rknn_order) == "an rknn order (Conv) runs on rknn, onnxruntime only"
     assert orders.refuses("onnxruntime", onnx_order) is None
     assert orders.refuses("armnn", onnx_order) == "an onnx order (LSTM) runs on onnxruntime only"
     assert "unknown to this agent" in orders.refuses("onnxruntime", {**ORDER, "kind": "tflite"})

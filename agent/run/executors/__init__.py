@@ -36,6 +36,7 @@ class BuildContext:
     target: str                     # the manifest target whose libs this machine runs
     workdir: Path
     armnn_backends: tuple[str, ...]
+    npu_cores: tuple[int, ...] = (0, 1, 2)      # the RK3588 NPU cores an rknn order runs on
 
 
 @dataclass(frozen=True)
@@ -146,12 +147,33 @@ def _build_tvm(ctx: BuildContext):
     return TvmExecutor(ctx.order, path, fallback_params(ctx.bundle, ctx.part))
 
 
+def _rknn_available() -> tuple[bool, str]:
+    from . import rknn
+
+    return rknn.available()
+
+
+def _build_rknn(ctx: BuildContext):
+    from . import rknn
+
+    member = ctx.part.get("rknn") or f"orders/{ctx.symbol}.rknn"
+    return rknn.RknnExecutor(ctx.order, ctx.bundle.read(member), ctx.workdir, ctx.npu_cores,
+                             runtime=rknn_runtime(ctx) if rknn_runtime else None)
+
+
+# An RKNNLite-shaped runtime for rknn orders instead of RKNNLite itself: ``rknn_runtime(ctx)``. None
+# on boards; tests on the host set the toolkit's simulator (tandoor_compiler.rknn.Simulator).
+rknn_runtime: Callable[[BuildContext], Any] | None = None
+
+
 REGISTRY: dict[str, Kind] = {k.name: k for k in [
     Kind("armnn", "Arm NN layer by layer: CpuAcc = ACL NEON, GpuAcc = ACL OpenCL, CpuRef = reference",
          _armnn_available, _build_armnn),
     Kind("onnxruntime", "the order's ONNX rendering in onnxruntime's CPU provider", _ort_available, _build_ort),
     Kind("tvm", "the order compiled by TVM alone (in the bundle): runs wherever the bundle runs",
          _tvm_available, _build_tvm),
+    Kind("rknn", "an rknn order's .rknn on the RK3588 NPU (rknn-toolkit-lite2's RKNNLite over librknnrt.so)",
+         _rknn_available, _build_rknn),
 ]}
 assert tuple(REGISTRY) == orders.EXECUTORS, "the registry and the contract's executor names differ"
 
@@ -173,6 +195,7 @@ def build(kind: str, ctx: BuildContext):
 def auto_order(acl_here: bool) -> list[str]:
     """auto's order of preference: armnn first only where it brings ACL (CpuAcc/GpuAcc); its
     CpuRef backend is a reference implementation, seconds per CNN inference."""
+    npu = ["rknn"]     # only rknn orders name it (orders.KINDS): the others never try it
     if acl_here:
-        return list(NAMES)
-    return ["onnxruntime", "armnn", orders.FALLBACK]
+        return npu + [n for n in NAMES if n not in npu]
+    return npu + ["onnxruntime", "armnn", orders.FALLBACK]

