@@ -164,7 +164,9 @@ def _accuracy(bundle: Path, reference, images, count, preprocess) -> dict:
     # the bench bundle was compiled without flags: the images take the preprocessing quantize recorded
     res = compare_on_images(bundle, reference, images, count=count, delegate="auto", max_drop=1.0,
                             preprocess=preprocess)
-    keep = ("images", "source", "top1_agreement", "top5_agreement", "box_agreement", "sqnr_db")
+    from .accuracy import CLASS_KEYS
+
+    keep = ("images", "source", *CLASS_KEYS, "box_agreement", "sqnr_db", "notes")
     return {k: res[k] for k in keep if k in res}
 
 

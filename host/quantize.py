@@ -47,8 +47,10 @@ def keep_fp32_option(f):
 
 def budget_options(f):
     f = click.option("--max-drop", type=click.FloatRange(0, 1), default=None, metavar="FRACTION",
-                     help="Refuse (exit 2, nothing written) when top-1 or box agreement with the fp32 model on "
-                          "--validation drops by more (0.05 = 5%), as NNCF's accuracy control does.")(f)
+                     help="Refuse (exit 2, nothing written) when agreement with the fp32 model on --validation drops "
+                          "by more (0.05 = 5%), as NNCF's accuracy control does: a classifier's top-1 on the "
+                          "images where fp32's top-1 probability is >= 0.5 (at least 20 such images, else "
+                          "refused as not judgeable), a detector's matched boxes.")(f)
     return click.option("--validation", type=click.Path(path_type=Path), default=None,
                         help="With --max-drop: a directory of images or a video calibration did not see.")(f)
 
@@ -79,13 +81,18 @@ NOTHING_TO_JUDGE = ("--max-drop: these outputs have no class scores and no boxes
 
 def judge(res: dict, max_drop: float, console) -> None:
     """Print what the held-out images said; a CompileError (exit 2) past the budget."""
-    said = [f"top-1 agreement {res['top1_agreement']:.1%}"] if res.get("top1_agreement") is not None else []
+    from .agreement import describe
+
+    said = [describe(res)] if res.get("confident_images") is not None else []
     if res.get("box_agreement") is not None:
         said.append(f"box agreement {res['box_agreement']:.1%} ({res['boxes_matched']}/{res['boxes_fp32']} boxes)")
     if not said:
         raise CompileError(NOTHING_TO_JUDGE)
     console.log(f"on {res['images']} held-out image(s): " + ", ".join(said)
                 + ", SQNR " + ", ".join(f"{k} {v:.1f} dB" for k, v in res["sqnr_db"].items()))
+    if res["notes"] and res.get("box_agreement") is None:
+        raise CompileError(f"--max-drop cannot be judged on --validation's {res['images']} image(s): "
+                           f"{res['notes'][0]}; nothing written (or drop --max-drop and read tandoor verify --images)")
     if not res["ok"]:
         raise CompileError(f"INT8 is past --max-drop {max_drop:.1%} on {res['images']} held-out image(s): "
                            f"{'; '.join(res['failures'])}; nothing written. Try --method percentile, more "
@@ -270,7 +277,9 @@ def accuracy_options(f):
     f = click.option("--min-sqnr", type=float, default=None, metavar="DB",
                      help="With --images: fail when an output's SQNR against the fp32 model is below DB.")(f)
     f = click.option("--max-drop", type=click.FloatRange(0, 1), default=DEFAULT_MAX_DROP, show_default=True,
-                     help="With --images: fail when top-1 agreement with the fp32 model drops by more (0.05 = 5%).")(f)
+                     help="With --images: fail when top-1 agreement with the fp32 model, on the images where fp32's "
+                          "top-1 probability is >= 0.5, drops by more (0.05 = 5%); not judged with fewer than 20 "
+                          "such images. Detectors: matched boxes.")(f)
     f = click.option("--count", type=click.IntRange(1), default=None,
                      help="With --images: use N images (or video frames, spread), default all.")(f)
     return click.option("--images", type=click.Path(path_type=Path), default=None,
@@ -293,9 +302,10 @@ def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, mi
     if as_json:
         click.echo(json.dumps(res, indent=2))
     else:
+        from .agreement import describe
+
         for o in res["outputs"]:
-            agree = (f", top-1 agreement {o['top1_agreement']:.1%}, top-5 {o['top5_agreement']:.1%}"
-                     if "top1_agreement" in o else "")
+            agree = f", {describe(o)}" if "confident_images" in o else ""
             click.echo(f"  {o['name']}: SQNR {o['sqnr_db']:.1f} dB, cosine mean {o['cosine_mean']:.4f} "
                        f"(worst {o['cosine_min']:.4f}){agree}")
         if res.get("box_agreement") is not None:
@@ -303,9 +313,11 @@ def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, mi
                        f"(box agreement {res['box_agreement']:.1%}), {res['boxes_extra']} the fp32 model did not find")
         elif "boxes_fp32" in res:
             click.echo("  boxes: the fp32 model found none on these images: box agreement is not measured")
-        if res["top1_agreement"] is None and res["box_agreement"] is None and res["min_sqnr_db"] is None:
+        if res["confident_images"] is None and res["box_agreement"] is None and res["min_sqnr_db"] is None:
             click.echo("  nothing to judge these outputs by (no class scores, no boxes): give --min-sqnr DB, or "
                        "compile with --decoder")
+        for note in res["notes"]:
+            click.echo(f"  note: {note}")
         for f in res["failures"]:
             click.echo(f"  FAIL {f}")
         click.echo(f"{'PASS' if res['ok'] else 'FAIL'}: {res['images']} image(s) from {res['source']}, "
