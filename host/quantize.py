@@ -124,8 +124,12 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
               show_default=True, help="How activation ranges come from the calibration data (onnxruntime's calibrators).")
 @click.option("--per-channel/--per-tensor", default=True, show_default=True,
               help="One weight scale per output channel (accurate for depthwise convs) or per weight tensor.")
-@click.option("--activations", type=click.Choice(["int8", "uint8"]), default="int8", show_default=True,
-              help="Activation type: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).")
+@click.option("--target", "targets", multiple=True, metavar="NAME",
+              help="The targets the bundle will be compiled for, as tandoor compile --target (repeatable; host is "
+                   "always one): they choose the activation type. Default: host alone.")
+@click.option("--activations", type=click.Choice(["int8", "uint8"]), default=None,
+              help="Activation type: int8 (S8S8) or uint8 (U8S8). Default: what the targets' int8 kernels want: "
+                   "int8 when a board (aarch64, ACL) is among them, else this host's (x86_64: uint8).")
 @click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224",
               help="Pin an input's shape (repeatable), as tandoor compile --input.")
 @keep_fp32_option
@@ -137,7 +141,7 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
 @preprocess_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @click.option("--debug", is_flag=True, hidden=True)
-def quantize(model, out, calibration, count, method, per_channel, activations, inputs, keep_fp32, report_path,
+def quantize(model, out, calibration, count, method, per_channel, targets, activations, inputs, keep_fp32, report_path,
              report_samples, validation, max_drop, mean, std, layout, bgr, resize, letterbox_align, pad_value,
              pixel_range, quiet, debug):
     """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
@@ -153,7 +157,8 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
     staged = Path(out).with_name(f".{Path(out).stem}.unjudged.onnx") if max_drop is not None else Path(out)
     try:
         res, src = quantize_with_calibration(model, staged, calibration, count, method=method, per_channel=per_channel,
-                                             activations=activations, inputs=inputs, keep_fp32=keep_fp32, flags=flags,
+                                             activations=activations, targets=targets, inputs=inputs,
+                                             keep_fp32=keep_fp32, flags=flags,
                                              report_samples=report_samples, console=console)
         if max_drop is not None:
             from tandoor_compiler import frontend
@@ -177,12 +182,14 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
     console.print(f"[green]wrote[/] {out}: {q.get('QuantizeLinear', 0)} QuantizeLinear / "
                   f"{q.get('DequantizeLinear', 0)} DequantizeLinear, calibrated on {res['samples']} image(s) from "
                   f"{src.describe()} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
-                  f"{activations} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
+                  f"{res['activations']} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
+    console.print(f"activations {res['activations']}: {res['activations_why']}")
     # `is`, not `in`: --pad-value 0 equals False and would be dropped
     given = {k: v for k, v in flags.items() if v is not None and v is not False and v != DEFAULTS.get(k)}
     if report_path is not None:
         console.print(f"wrote the per-layer report to {report_path}")
     console.print(f"next: tandoor compile {out} -o {Path(out).with_suffix('.hmod')}"
+                  + "".join(f" --target {t}" for t in targets if t != "host")
                   + "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items()))
     sys.stdout.flush()
 
@@ -218,7 +225,8 @@ def print_report(report: dict, console, *, worst: int = 5) -> None:
 
 
 def quantize_with_calibration(model, out, calibration, count, *, method: str = "minmax", per_channel: bool = True,
-                              activations: str = "int8", inputs=(), keep_fp32=(), report_samples: int = 4,
+                              activations: str | None = None, targets=(), inputs=(), keep_fp32=(),
+                              report_samples: int = 4,
                               flags: dict, console):
     """MODEL -> the QDQ model OUT, calibrated on COUNT images of CALIBRATION preprocessed by
     ``flags`` (compile's preprocessing options), with a progress bar on ``console``: what
@@ -254,7 +262,7 @@ def quantize_with_calibration(model, out, calibration, count, *, method: str = "
                   console=console, transient=True) as bar:
         task = bar.add_task("calibrating", total=n)
         res = quantize_model(model, out, calibration=samples, count=n, inputs=inputs, method=method,
-                             per_channel=per_channel, activations=activations, keep_fp32=keep_fp32,
+                             per_channel=per_channel, activations=activations, targets=targets, keep_fp32=keep_fp32,
                              report_samples=report_samples,
                              metadata=chosen,
                              progress=lambda done, total: bar.update(task, completed=done),

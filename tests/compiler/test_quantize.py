@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -121,16 +122,48 @@ def test_quantize_writes_a_qdq_model_close_to_fp32_calibrated_on_the_bundles_pre
         assert np.abs(a - b).max() < 0.1 * np.abs(a).max()
 
 
-def test_per_tensor_and_uint8_activations(tmp_path, tiny, frames):
+def activation_zero_point_types(q: onnx.ModelProto) -> set[int]:
+    inits = {i.name: i for i in q.graph.initializer}
+    return {inits[n.input[2]].data_type for n in q.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def test_per_tensor_and_uint8_activations_given_over_the_targets_choice(tmp_path, tiny, frames):
     out = tmp_path / "pt.int8.onnx"
     res = quantize(tiny, out, frames["calib"], "--images", "12", "--per-tensor", "--activations", "uint8",
-                   "--method", "percentile")
+                   "--method", "percentile", "--target", "rk3588")
     assert res.returncode == 0, res.stderr
     q = onnx.load(str(out))
     assert all(v.size == 1 for v in weight_scales(q).values())
-    inits = {i.name: i for i in q.graph.initializer}
-    zps = [inits[n.input[2]].data_type for n in q.graph.node if n.op_type == "QuantizeLinear"]
-    assert zps and set(zps) == {TensorProto.UINT8}
+    assert activation_zero_point_types(q) == {TensorProto.UINT8}
+    settings = json.loads(q.metadata_props[0].value)
+    assert settings["activations_why"] == "given (--activations)" and settings["targets"] == ["host", "rk3588"]
+
+
+def test_the_activation_type_is_the_one_the_targets_kernels_want(tmp_path, tiny, frames):
+    """No --activations: uint8 for this x86_64 host alone (onnxruntime's x86 QLinearConv wants
+    unsigned activations), int8 once a board is a target (ACL's kernels want signed; the bundle is
+    the board's, its host lib only checks it); the choice and its reason are said and recorded, and
+    the next compile command carries the target."""
+    x86 = platform.machine() == "x86_64"      # an aarch64 workstation's host lib wants int8, as a board
+    want = {(): TensorProto.UINT8 if x86 else TensorProto.INT8, ("--target", "rk3588"): TensorProto.INT8}
+    for args, zp in want.items():
+        out = tmp_path / f"t{len(args)}.int8.onnx"
+        res = run_cli("tandoor", "quantize", str(tiny), "--calibration", str(frames["calib"]), "-o", str(out),
+                      "--images", "12", "--report-images", "1", *args)
+        assert res.returncode == 0, res.stderr
+        q = onnx.load(str(out))
+        assert activation_zero_point_types(q) == {zp}
+        settings = json.loads(q.metadata_props[0].value)
+        text = " ".join(res.stderr.split())
+        if not args and x86:
+            assert settings["activations"] == "uint8" and settings["activations_why"].startswith("for host (x86_64)")
+            assert "activations uint8: for host (x86_64): onnxruntime's x86" in text
+        elif args:
+            assert settings["activations"] == "int8" and settings["activations_why"].startswith("for rk3588 (aarch64)")
+            assert "ACL's int8 kernels" in text and "--target rk3588" in text.split("next:")[1]
+    bad = run_cli("tandoor", "quantize", str(tiny), "--calibration", str(frames["calib"]), "-o", str(tmp_path / "x.onnx"),
+                  "--target", "pdp11")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "unknown target 'pdp11'" in bad.stderr
 
 
 def test_a_video_calibrates_on_frames_spread_over_it(tmp_path, tiny, frames):

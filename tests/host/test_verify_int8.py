@@ -167,7 +167,7 @@ def test_only_the_output_the_device_decodes_as_class_scores_gets_top1():
     assert _classifier_outputs({"outputs": outs((1, 1000)), "postprocess": {"decoder": "yolov8"}}) == [False]
 
 
-def test_bench_int8_times_every_route_and_says_the_sizes_and_the_agreement(lite0, tmp_path):
+def test_bench_int8_times_every_route_and_says_the_sizes_and_the_agreement(lite0, tmp_path, capsys):
     """`tandoor bench FP32 --int8 INT8`: each route's INT8/fp32 ratio is its own two medians, the
     fastest route is the one with the smallest median, the sizes are the two bundles' files, and
     the agreement on held-out frames is onnxruntime's fp32 answer against the INT8 bundle's."""
@@ -190,7 +190,18 @@ def test_bench_int8_times_every_route_and_says_the_sizes_and_the_agreement(lite0
     # 0 < share <= 1, and the choice is recorded subgraph by subgraph
     assert 0.0 <= rep["int8_flops_delegated_share"] <= 1.0
     acc = rep["accuracy"]
-    assert acc["images"] == 12 and 0.75 <= acc["top1_agreement"] <= 1.0 and 15.0 < acc["sqnr_db"]["logits"] < 60.0
+    assert acc["images"] == 12 and 0.75 <= acc["top1_agreement_all"] <= 1.0 and 12.0 < acc["sqnr_db"]["logits"] < 60.0
+    assert acc["confident_images"] < 20 and "top-1 not judged" in acc["notes"][0]
+    # the activation type: what tandoor quantize chose for this host, and why
+    act = rep["activations"]
+    assert act["type"] == act["host_wants"] == ("uint8" if platform.machine() == "x86_64" else "int8")
+    assert act["why"].startswith("for host")
+    from tandoor_host.bench_int8 import print_int8
+
+    print_int8(rep)
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"INT8 activations {act['type']}" in said and act["why"][:40] in said and "top-1 not judged" in said
+    assert "this host's kernels want" not in said
     # refusals: one line, exit 2, before any compile
     for args, says in (((str(lite0["fp32"]), "--int8", str(lite0["fp32"])), "has no QuantizeLinear"),
                        ((str(lite0["fp32"]), "--images", str(lite0["eval"])), "go with --int8"),
