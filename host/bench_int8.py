@@ -208,8 +208,8 @@ def print_int8(res: dict) -> None:
     kind = {"uint8": "uint8 (U8S8)", "int8": "int8 (S8S8)"}.get(act["type"], f"{act['type']}")
     c.print(f"INT8 activations {kind}: {act['why']}")
     if act["type"] != act["host_wants"]:
-        c.print(f"  this host's kernels want {act['host_wants']} ({act['host_why']}): the host routes above are "
-                f"not what a model quantized for this host gets (tandoor quantize --target host)")
+        c.print(f"  on this host {act['host_wants']} is wanted {act['host_why']}; the host routes above are slower "
+                "than a model quantized for the host alone gets (tandoor quantize without --target)")
     a = res.get("accuracy")
     if a:
         from .agreement import describe
