@@ -73,7 +73,7 @@ def activations_for(targets: Iterable[str] = ()) -> tuple[str, str]:
 
     from .targets import PRESETS
 
-    host_arch = "x86_64" if platform.machine() in ("x86_64", "AMD64") else "aarch64"
+    host_arch = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
     archs = []
     for name in targets:
         if name not in PRESETS:

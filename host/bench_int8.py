@@ -73,7 +73,10 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
                            "quantized from this one")
     settings = settings_of(q.proto) or {}
     preprocess = settings.get("preprocess")
-    host_wants, host_why = activations_for(["host"])
+    try:
+        host_wants, host_why = activations_for(["host"])
+    except CompileError as err:          # a host no table row speaks for: nothing to compare with
+        host_wants, host_why = None, str(err)
     act = settings.get("activations") or activations_of(q.proto)
     why = settings.get("activations_why") or (
         "recorded by tandoor quantize without a reason (made before the choice by target)" if settings.get("activations")
@@ -205,9 +208,9 @@ def print_int8(res: dict) -> None:
             f"({s['int8']['order_weight_bytes'] / 1e6:.2f} MB): {s['int8_vs_fp32']:.0%} of fp32; "
             f"{res['int8_flops_delegated_share']:.1%} of the FLOPs delegated as INT8")
     act = res["activations"]
-    kind = {"uint8": "uint8 (U8S8)", "int8": "int8 (S8S8)"}.get(act["type"], f"{act['type']}")
+    kind = {"uint8": "uint8 (U8S8)", "int8": "int8 (S8S8)"}.get(act["type"], "of no one type (mixed or no zero points)")
     c.print(f"INT8 activations {kind}: {act['why']}")
-    if act["type"] != act["host_wants"]:
+    if act["type"] and act["host_wants"] and act["type"] != act["host_wants"]:
         c.print(f"  on this host {act['host_wants']} is wanted {act['host_why']}; the host routes above are slower "
                 "than a model quantized for the host alone gets (tandoor quantize without --target)")
     a = res.get("accuracy")
