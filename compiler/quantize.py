@@ -34,6 +34,16 @@ from .errors import CompileError
 
 METHODS = ("minmax", "entropy", "percentile")
 ACTIVATIONS = ("int8", "uint8")
+
+# The activation type each architecture's int8 kernels want, with the reason: `tandoor quantize`'s
+# default for the targets it is given (--activations overrides). Weights are int8 either way.
+ACTIVATIONS_BY_ARCH: dict[str, tuple[str, str]] = {
+    "x86_64": ("uint8", "onnxruntime's x86 int8 convolutions (QLinearConv, u8s8 kernels) take only uint8 "
+                        "activations: with int8 ones a QDQ conv stays dequantize -> float conv -> quantize "
+                        "(measured 1.6x slower than fp32, uint8 0.71x)"),
+    "aarch64": ("int8", "ACL's int8 kernels (Arm NN QAsymmS8) and the Cortex-A76's signed dot-product "
+                        "instructions want int8 activations; onnxruntime on Arm fuses either"),
+}
 MIN_SAMPLES = 10           # fewer gives ranges from a handful of frames; 100-500 is usual
 REPORT_SAMPLES = 4         # calibration samples the per-layer report runs (it keeps every tensor of both models)
 KEEP_CANDIDATES = 8        # the layers losing most, each tried in fp32 to measure what keeping it would buy
@@ -51,6 +61,46 @@ QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantiz
 _STEP_PRESERVING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity",
                               "Concat", "Slice", "Split", "Gather", "MaxPool", "Relu", "Clip"})
 FP32_RTOL = 1e-3
+
+
+def activations_for(targets: Iterable[str] = ()) -> tuple[str, str]:
+    """(activation type, why) for a bundle compiled for ``targets`` (as `tandoor compile --target`:
+    host is always in it). The boards decide when there are any: the bundle is made for them, its
+    host lib is for `tandoor verify` and the health gate's golden check, which run either type. With
+    host alone, this host's architecture decides. One type for the whole bundle: its orders are one
+    set of int8 tensors for every target (docs/int8.md, "Which activation type")."""
+    import platform
+
+    from .targets import PRESETS
+
+    host_arch = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
+    archs = []
+    for name in targets:
+        if name not in PRESETS:
+            raise CompileError(f"unknown target '{name}'; choose from: {', '.join(PRESETS)}")
+        if name != "host":
+            archs.append((name, PRESETS[name].arch))
+    name, arch = archs[0] if archs else ("host", host_arch)
+    if arch not in ACTIVATIONS_BY_ARCH:
+        raise CompileError(f"no activation type is known for {arch} (target {name}); give --activations int8|uint8")
+    act, why = ACTIVATIONS_BY_ARCH[arch]
+    also = "" if not archs else f"; the {host_arch} host lib runs it for checks only"
+    return act, f"for {name} ({arch}): {why}{also}"
+
+
+def activations_of(model: onnx.ModelProto) -> str | None:
+    """The activation type of a QDQ model, read from its activation QuantizeLinear zero points
+    (uint8 or int8; None for a float model or one without zero points)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    seen = set()
+    for n in model.graph.node:
+        if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in inits:
+            seen.add(numpy_helper.to_array(inits[n.input[2]]).dtype)
+    if seen == {np.dtype(np.uint8)}:
+        return "uint8"
+    if seen == {np.dtype(np.int8)}:
+        return "int8"
+    return None
 
 
 def quantized_nodes(model: onnx.ModelProto) -> dict[str, int]:
@@ -113,7 +163,8 @@ class _Reader:
 def quantize_model(model: str | Path, out: str | Path, *,
                    calibration: Callable[[list[frontend.TensorSpec]], Iterable[list[np.ndarray]]], count: int,
                    inputs: list[str] | tuple[str, ...] = (), method: str = "minmax", per_channel: bool = True,
-                   activations: str = "int8", keep_fp32: Iterable[str] = (), report_samples: int = REPORT_SAMPLES,
+                   activations: str | None = None, targets: Iterable[str] = (), keep_fp32: Iterable[str] = (),
+                   report_samples: int = REPORT_SAMPLES,
                    metadata: dict | None = None,
                    progress: Callable[[int, int], None] | None = None,
                    say: Callable[[str], None] | None = None) -> dict:
@@ -126,7 +177,9 @@ def quantize_model(model: str | Path, out: str | Path, *,
         inputs: ``NAME=1x3x224x224`` pins, as ``tandoor compile --input``.
         method: minmax | entropy | percentile (onnxruntime's calibrators).
         per_channel: per-output-channel weight scales (else one scale per weight tensor).
-        activations: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).
+        activations: int8 (S8S8) or uint8 (U8S8); None: what ``targets`` want (:func:`activations_for`).
+        targets: the targets the bundle will be compiled for (`tandoor compile --target`), which
+            choose the activation type when ``activations`` is None.
         keep_fp32: node names (of the model after onnxruntime's pre-processing, as the layer report
             names them) to leave in fp32: onnxruntime's ``nodes_to_exclude``.
         report_samples: calibration samples (spread over them) the per-layer report compares on;
@@ -142,8 +195,13 @@ def quantize_model(model: str | Path, out: str | Path, *,
 
     say = say or (lambda s: None)
     out = Path(out)
-    if activations not in ACTIVATIONS:
+    targets = list(targets)
+    if activations is None:
+        activations, activations_why = activations_for(targets)
+    elif activations not in ACTIVATIONS:
         raise CompileError(f"unknown --activations {activations!r}; choose {' or '.join(ACTIVATIONS)}")
+    else:
+        activations_why = "given (--activations)"
     calibrate_method = _calibrate_method(method)
     if out.suffix != ".onnx":
         raise CompileError(f"output {out} should end in .onnx")
@@ -204,7 +262,9 @@ def quantize_model(model: str | Path, out: str | Path, *,
         report = layer_report(pre, staged, reader.kept, tmp=Path(tmp),
                               requantize=lambda node: run_quantizer(Path(tmp) / "trial.onnx", keep + [node], None))
         q = onnx.load(str(staged))
-    settings = {"method": method, "per_channel": per_channel, "activations": activations, "samples": reader.seen,
+    settings = {"method": method, "per_channel": per_channel, "activations": activations,
+                "activations_why": activations_why, "targets": ["host", *(t for t in targets if t != "host")],
+                "samples": reader.seen,
                 "source": loaded.path.name, "source_sha256": loaded.sha256, **({"keep_fp32": keep} if keep else {}),
                 **(metadata or {})}
     del q.metadata_props[:]

@@ -4,16 +4,16 @@ is plain `verify`).
 
 Each image is preprocessed as the device preprocesses a frame (the bundle's manifest), run
 through the bundle's host lib and through the fp32 model in onnxruntime. Per output: the SQNR
-(10 log10 of signal power over error power, summed over the images, as onnxruntime's
-qdq_loss_debug computes it) and the cosine similarity (mean, worst image). For a classifier
-(the first output, when the device decodes the bundle as one: postprocess.resolve): top-1 agreement (the same argmax) and top-5 agreement (the
-fp32 top-1 among the bundle's top 5). For a detector (the manifest names a box decoder), both
+and the cosine similarity; for a classifier (the first output, when the device decodes the bundle
+as one: postprocess.resolve) top-1 agreement on the images where fp32 is confident (and how many
+they were), top-5 agreement on all: host/agreement.py holds those numbers and their verdict. For a detector (the manifest names a box decoder), both
 sets of outputs go through the device's own decoder (agent/serve/pipeline.py ``decode``, NMS and
 thresholds as the bundle records them) and each fp32 box is matched to one of the bundle's of the
 same class at IoU >= 0.5, greedily by fp32 score: ``box_agreement`` = matched / fp32 boxes, and
-``boxes_extra`` = the bundle's boxes fp32 did not have. ``ok`` when 1 - top1_agreement (and
-1 - box_agreement) <= max_drop (the accuracy a user can lose without labels to measure it) and
-every output's SQNR >= min_sqnr_db when given.
+``boxes_extra`` = the bundle's boxes fp32 did not have. ``ok`` when 1 - top1_agreement (on the
+confident images; not judged, and said in ``notes``, when they are too few) and 1 - box_agreement
+<= max_drop (the accuracy a user can lose without labels to measure it) and every output's SQNR >=
+min_sqnr_db when given.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ import numpy as np
 from tandoor_contract import hmod
 
 from . import calibration as calib
+from .agreement import CONFIDENT_P, MIN_CONFIDENT, OutputTally, top1_verdict
 
 DEFAULT_MAX_DROP = 0.05
+# the class-score numbers of the first classifier output, at the report's top level
+CLASS_KEYS = ("top1_agreement", "confident_images", "top1_agreement_all", "top5_agreement", "classes", "scores")
 
 
 def _classifier_outputs(manifest: dict) -> list[bool]:
@@ -80,19 +83,6 @@ def match_boxes(reference: list[dict], got: list[dict], iou: float = MATCH_IOU) 
             matched += 1
             free.remove(cands[best])
     return matched
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
-    if na == 0.0 or nb == 0.0:
-        return 1.0 if na == nb else 0.0
-    return float(np.dot(a, b) / (na * nb))
-
-
-def sqnr_db(signal_power: float, noise_power: float) -> float:
-    if noise_power == 0.0:
-        return float("inf")
-    return float(10.0 * np.log10(max(signal_power, 1e-30) / noise_power))
 
 
 def compare_on_images(bundle_path: str | Path, reference: str | Path, images: str | Path, *,
@@ -152,28 +142,15 @@ def compare(m: dict, run, reference: str | Path, images: str | Path, *, count: i
     so.log_severity_level = 3
     sess = ort.InferenceSession(ref.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     outs = m["outputs"]
-    classifier = _classifier_outputs(m)
+    tallies = [OutputTally(o["name"], cls) for o, cls in zip(outs, _classifier_outputs(m))]
     detector = _is_detector(m)
     boxes = {"fp32": 0, "bundle": 0, "matched": 0}
-    signal = [0.0] * len(outs)
-    noise = [0.0] * len(outs)
-    cos: list[list[float]] = [[] for _ in outs]
-    top1 = [0] * len(outs)
-    top5 = [0] * len(outs)
     n = 0
     for x in calib.tensors(src, calib.pick(src.size, count), spec, m.get("preprocess")):
         got = run([x])
         want = sess.run(None, {ref.inputs[0].name: x})
-        for j, (g, w) in enumerate(zip(got, want)):
-            g = np.asarray(g, np.float64).reshape(-1)
-            w = np.asarray(w, np.float64).reshape(-1)
-            signal[j] += float(np.sum(w * w))
-            noise[j] += float(np.sum((g - w) ** 2))
-            cos[j].append(_cosine(g, w))
-            if classifier[j]:
-                best = int(np.argmax(w))
-                top1[j] += int(np.argmax(g)) == best
-                top5[j] += best in np.argsort(-g, kind="stable")[:5]
+        for t, g, w in zip(tallies, got, want):
+            t.add(g, w)
         if detector:
             ref_dets = decode(m, want)["detections"]
             our_dets = decode(m, got)["detections"]
@@ -181,21 +158,14 @@ def compare(m: dict, run, reference: str | Path, images: str | Path, *, count: i
             boxes["bundle"] += len(our_dets)
             boxes["matched"] += match_boxes(ref_dets, our_dets)
         n += 1
-    per_output = []
-    for j, o in enumerate(outs):
-        row = {"name": o["name"], "sqnr_db": round(sqnr_db(signal[j], noise[j]), 2),
-               "cosine_mean": round(float(np.mean(cos[j])), 6), "cosine_min": round(float(np.min(cos[j])), 6)}
-        if classifier[j]:
-            row.update(top1_agreement=top1[j] / n, top5_agreement=top5[j] / n)
-        per_output.append(row)
+    per_output = [t.summary() for t in tallies]
     cls = [r for r in per_output if "top1_agreement" in r]
-    top1_agreement = min((r["top1_agreement"] for r in cls), default=None)
-    top5_agreement = min((r["top5_agreement"] for r in cls), default=None)
     box_agreement = boxes["matched"] / boxes["fp32"] if boxes["fp32"] else None
-    failures = []
-    if top1_agreement is not None and 1.0 - top1_agreement > max_drop + 1e-12:
-        failures.append(f"top-1 agreement {top1_agreement:.1%} is a drop of {1 - top1_agreement:.1%}, "
-                        f"past --max-drop {max_drop:.1%}")
+    failures, notes = [], []
+    for r in cls:
+        failure, note = top1_verdict(r, n, max_drop)
+        failures += [failure] if failure else []
+        notes += [note] if note else []
     if box_agreement is not None and 1.0 - box_agreement > max_drop + 1e-12:
         failures.append(f"box agreement {box_agreement:.1%} ({boxes['matched']} of fp32's {boxes['fp32']} boxes "
                         f"matched at IoU {MATCH_IOU:g}) is a drop of {1 - box_agreement:.1%}, past --max-drop "
@@ -203,11 +173,12 @@ def compare(m: dict, run, reference: str | Path, images: str | Path, *, count: i
     if min_sqnr_db is not None:
         failures += [f"output {r['name']}: SQNR {r['sqnr_db']:.1f} dB < --min-sqnr {min_sqnr_db:g} dB"
                      for r in per_output if r["sqnr_db"] < min_sqnr_db]
+    first = cls[0] if cls else {}
     return {"images": n, "source": src.describe(), "delegate": what.split()[0] if what else "",
-            "top1_agreement": top1_agreement,
-            "top5_agreement": top5_agreement, "box_agreement": box_agreement,
+            **{k: first.get(k) for k in CLASS_KEYS}, "box_agreement": box_agreement,
             **({"boxes_fp32": boxes["fp32"], "boxes_bundle": boxes["bundle"], "boxes_matched": boxes["matched"],
                 "boxes_extra": boxes["bundle"] - boxes["matched"]} if detector else {}),
             "sqnr_db": {r["name"]: r["sqnr_db"] for r in per_output},
             "outputs": per_output, "max_drop": max_drop, "min_sqnr_db": min_sqnr_db, "ok": not failures,
-            "failures": failures, "quantized": bool(m.get("quantized"))}
+            "failures": failures, "notes": notes, "top1_judged": bool(cls) and not notes,
+            "confident_p": CONFIDENT_P, "min_confident": MIN_CONFIDENT, "quantized": bool(m.get("quantized"))}

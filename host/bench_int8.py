@@ -56,7 +56,7 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
     from tandoor_compiler import frontend
     from tandoor_compiler.errors import CompileError
     from tandoor_compiler.pipeline import Options, compile_model
-    from tandoor_compiler.quantize import quantized_nodes, settings_of
+    from tandoor_compiler.quantize import activations_for, activations_of, quantized_nodes, settings_of
 
     if runs < 1:
         raise CompileError("--runs must be at least 1")
@@ -71,7 +71,17 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
         raise CompileError(f"--int8 {Path(int8_path).name} has output(s) of shape {[o.shape for o in q.outputs]}, "
                            f"{Path(model_path).name} {[o.shape for o in fp32.outputs]}: give the INT8 model "
                            "quantized from this one")
-    preprocess = (settings_of(q.proto) or {}).get("preprocess")
+    settings = settings_of(q.proto) or {}
+    preprocess = settings.get("preprocess")
+    try:
+        host_wants, host_why = activations_for(["host"])
+    except CompileError as err:          # a host no table row speaks for: nothing to compare with
+        host_wants, host_why = None, str(err)
+    act = settings.get("activations") or activations_of(q.proto)
+    why = settings.get("activations_why") or (
+        "recorded by tandoor quantize without a reason (made before the choice by target)" if settings.get("activations")
+        else "read from the model's QuantizeLinear zero points (it records no tandoor quantize settings)")
+    activations = {"type": act, "why": why, "host_wants": host_wants, "host_why": host_why}
     if images is not None:
         from . import calibration as calib
 
@@ -135,6 +145,7 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
         "sizes": {**sizes, "int8_vs_fp32": round(sizes["int8"]["bundle_bytes"] / sizes["fp32"]["bundle_bytes"], 3),
                   "onnx_fp32_bytes": os.path.getsize(model_path), "onnx_int8_bytes": os.path.getsize(int8_path)},
         "int8_flops_delegated_share": round(share, 4),
+        "activations": activations,
         "accuracy": accuracy,
         "details": {"runs": runs, "warmup": warmup, "rounds": rounds, "inputs": [i.as_dict() for i in fp32.inputs],
                     "median_ms": {k: round(v, 3) for k, v in med.items()},
@@ -164,7 +175,9 @@ def _accuracy(bundle: Path, reference, images, count, preprocess) -> dict:
     # the bench bundle was compiled without flags: the images take the preprocessing quantize recorded
     res = compare_on_images(bundle, reference, images, count=count, delegate="auto", max_drop=1.0,
                             preprocess=preprocess)
-    keep = ("images", "source", "top1_agreement", "top5_agreement", "box_agreement", "sqnr_db")
+    from .accuracy import CLASS_KEYS
+
+    keep = ("images", "source", *CLASS_KEYS, "box_agreement", "sqnr_db", "notes")
     return {k: res[k] for k in keep if k in res}
 
 
@@ -194,12 +207,21 @@ def print_int8(res: dict) -> None:
             f"{s['fp32']['order_weight_bytes'] / 1e6:.2f} MB), INT8 {s['int8']['bundle_bytes'] / 1e6:.2f} MB "
             f"({s['int8']['order_weight_bytes'] / 1e6:.2f} MB): {s['int8_vs_fp32']:.0%} of fp32; "
             f"{res['int8_flops_delegated_share']:.1%} of the FLOPs delegated as INT8")
+    act = res["activations"]
+    kind = {"uint8": "uint8 (U8S8)", "int8": "int8 (S8S8)"}.get(act["type"], "of no one type (mixed or no zero points)")
+    c.print(f"INT8 activations {kind}: {act['why']}")
+    if act["type"] and act["host_wants"] and act["type"] != act["host_wants"]:
+        c.print(f"  on this host {act['host_wants']} is wanted {act['host_why']}; the host routes above are slower "
+                "than a model quantized for the host alone gets (tandoor quantize without --target)")
     a = res.get("accuracy")
     if a:
-        said = [f"top-1 agreement {a['top1_agreement']:.1%}, top-5 {a['top5_agreement']:.1%}"] \
-            if a.get("top1_agreement") is not None else []
+        from .agreement import describe
+
+        said = [describe(a)] if a.get("confident_images") is not None else []
         said += [f"SQNR {k} {v:.1f} dB" for k, v in a["sqnr_db"].items()]
         c.print(f"accuracy against fp32 on {a['images']} image(s) from {a['source']}: " + ", ".join(said))
+        for note in a.get("notes") or ():
+            c.print(f"  note: {note}")
     counts = Counter(d["int8_choice_executors"])
     said = ", ".join(f"{e} x{n}" for e, n in counts.most_common()) or "nothing delegated"
     c.print(f"[dim]INT8 choice, executors per subgraph: {said}; "

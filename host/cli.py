@@ -191,8 +191,9 @@ def main() -> None:
 @click.option("--decoder-option", "decoder_opts", multiple=True, metavar="KEY=JSON",
               help="Another decoder option (repeatable), e.g. strides=[8,16,32] or agnostic=true.")
 @click.option("--int8", is_flag=True,
-              help="Quantize to INT8 first (as tandoor quantize, minmax, per-channel) on --calibration's images, "
-                   "preprocessed by the flags above, and compile the QDQ model.")
+              help="Quantize to INT8 first (as tandoor quantize, minmax, per-channel, the activation type the "
+                   "targets want) on --calibration's images, preprocessed by the flags above, and compile the QDQ "
+                   "model.")
 @click.option("--npu", is_flag=True,
               help="RK3588: what the NPU's op table takes (compiler/npu.py) becomes rknn orders, converted by the RKNN "
                    "toolkit (.venv-rknn) and checked in its simulator; needs --target rk3588 (docs/npu.md).")
@@ -251,8 +252,9 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                          pad_value=pad_value, pixel_range=pixel_range)
             res, src = quantize_with_calibration(model, q, calibration, calib_count, inputs=inputs, flags=flags,
-                                                 keep_fp32=keep_fp32, console=console)
-            console.log(f"quantized on {res['samples']} image(s) from {src.describe()}")
+                                                 targets=targets, keep_fp32=keep_fp32, console=console)
+            console.log(f"quantized on {res['samples']} image(s) from {src.describe()}, {res['activations']} "
+                        f"activations {res['activations_why']}")
             opts = dataclasses.replace(opts, name=opts.name or Path(model).stem)
             model = q
         with console.status("compiling") as status:

@@ -47,8 +47,10 @@ def keep_fp32_option(f):
 
 def budget_options(f):
     f = click.option("--max-drop", type=click.FloatRange(0, 1), default=None, metavar="FRACTION",
-                     help="Refuse (exit 2, nothing written) when top-1 or box agreement with the fp32 model on "
-                          "--validation drops by more (0.05 = 5%), as NNCF's accuracy control does.")(f)
+                     help="Refuse (exit 2, nothing written) when agreement with the fp32 model on --validation drops "
+                          "by more (0.05 = 5%), as NNCF's accuracy control does: a classifier's top-1 on the "
+                          "images where fp32's top-1 probability is >= 0.5 (at least 20 such images, else "
+                          "refused as not judgeable), a detector's matched boxes.")(f)
     return click.option("--validation", type=click.Path(path_type=Path), default=None,
                         help="With --max-drop: a directory of images or a video calibration did not see.")(f)
 
@@ -79,13 +81,18 @@ NOTHING_TO_JUDGE = ("--max-drop: these outputs have no class scores and no boxes
 
 def judge(res: dict, max_drop: float, console) -> None:
     """Print what the held-out images said; a CompileError (exit 2) past the budget."""
-    said = [f"top-1 agreement {res['top1_agreement']:.1%}"] if res.get("top1_agreement") is not None else []
+    from .agreement import describe
+
+    said = [describe(res)] if res.get("confident_images") is not None else []
     if res.get("box_agreement") is not None:
         said.append(f"box agreement {res['box_agreement']:.1%} ({res['boxes_matched']}/{res['boxes_fp32']} boxes)")
     if not said:
         raise CompileError(NOTHING_TO_JUDGE)
     console.log(f"on {res['images']} held-out image(s): " + ", ".join(said)
                 + ", SQNR " + ", ".join(f"{k} {v:.1f} dB" for k, v in res["sqnr_db"].items()))
+    if res["notes"] and res.get("box_agreement") is None:
+        raise CompileError(f"--max-drop cannot be judged on --validation's {res['images']} image(s): "
+                           f"{res['notes'][0]}; nothing written (or drop --max-drop and read tandoor verify --images)")
     if not res["ok"]:
         raise CompileError(f"INT8 is past --max-drop {max_drop:.1%} on {res['images']} held-out image(s): "
                            f"{'; '.join(res['failures'])}; nothing written. Try --method percentile, more "
@@ -117,8 +124,12 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
               show_default=True, help="How activation ranges come from the calibration data (onnxruntime's calibrators).")
 @click.option("--per-channel/--per-tensor", default=True, show_default=True,
               help="One weight scale per output channel (accurate for depthwise convs) or per weight tensor.")
-@click.option("--activations", type=click.Choice(["int8", "uint8"]), default="int8", show_default=True,
-              help="Activation type: int8 (S8S8, onnxruntime's first choice) or uint8 (U8S8).")
+@click.option("--target", "targets", multiple=True, metavar="NAME",
+              help="The targets the bundle will be compiled for, as tandoor compile --target (repeatable; host is "
+                   "always one): they choose the activation type. Default: host alone.")
+@click.option("--activations", type=click.Choice(["int8", "uint8"]), default=None,
+              help="Activation type: int8 (S8S8) or uint8 (U8S8). Default: what the targets' int8 kernels want: "
+                   "int8 when a board (aarch64, ACL) is among them, else this host's (x86_64: uint8).")
 @click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224",
               help="Pin an input's shape (repeatable), as tandoor compile --input.")
 @keep_fp32_option
@@ -130,7 +141,7 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
 @preprocess_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @click.option("--debug", is_flag=True, hidden=True)
-def quantize(model, out, calibration, count, method, per_channel, activations, inputs, keep_fp32, report_path,
+def quantize(model, out, calibration, count, method, per_channel, targets, activations, inputs, keep_fp32, report_path,
              report_samples, validation, max_drop, mean, std, layout, bgr, resize, letterbox_align, pad_value,
              pixel_range, quiet, debug):
     """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
@@ -146,7 +157,8 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
     staged = Path(out).with_name(f".{Path(out).stem}.unjudged.onnx") if max_drop is not None else Path(out)
     try:
         res, src = quantize_with_calibration(model, staged, calibration, count, method=method, per_channel=per_channel,
-                                             activations=activations, inputs=inputs, keep_fp32=keep_fp32, flags=flags,
+                                             activations=activations, targets=targets, inputs=inputs,
+                                             keep_fp32=keep_fp32, flags=flags,
                                              report_samples=report_samples, console=console)
         if max_drop is not None:
             from tandoor_compiler import frontend
@@ -170,12 +182,14 @@ def quantize(model, out, calibration, count, method, per_channel, activations, i
     console.print(f"[green]wrote[/] {out}: {q.get('QuantizeLinear', 0)} QuantizeLinear / "
                   f"{q.get('DequantizeLinear', 0)} DequantizeLinear, calibrated on {res['samples']} image(s) from "
                   f"{src.describe()} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
-                  f"{activations} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
+                  f"{res['activations']} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
+    console.print(f"activations {res['activations']}: {res['activations_why']}")
     # `is`, not `in`: --pad-value 0 equals False and would be dropped
     given = {k: v for k, v in flags.items() if v is not None and v is not False and v != DEFAULTS.get(k)}
     if report_path is not None:
         console.print(f"wrote the per-layer report to {report_path}")
     console.print(f"next: tandoor compile {out} -o {Path(out).with_suffix('.hmod')}"
+                  + "".join(f" --target {t}" for t in targets if t != "host")
                   + "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items()))
     sys.stdout.flush()
 
@@ -211,7 +225,8 @@ def print_report(report: dict, console, *, worst: int = 5) -> None:
 
 
 def quantize_with_calibration(model, out, calibration, count, *, method: str = "minmax", per_channel: bool = True,
-                              activations: str = "int8", inputs=(), keep_fp32=(), report_samples: int = 4,
+                              activations: str | None = None, targets=(), inputs=(), keep_fp32=(),
+                              report_samples: int = 4,
                               flags: dict, console):
     """MODEL -> the QDQ model OUT, calibrated on COUNT images of CALIBRATION preprocessed by
     ``flags`` (compile's preprocessing options), with a progress bar on ``console``: what
@@ -247,7 +262,7 @@ def quantize_with_calibration(model, out, calibration, count, *, method: str = "
                   console=console, transient=True) as bar:
         task = bar.add_task("calibrating", total=n)
         res = quantize_model(model, out, calibration=samples, count=n, inputs=inputs, method=method,
-                             per_channel=per_channel, activations=activations, keep_fp32=keep_fp32,
+                             per_channel=per_channel, activations=activations, targets=targets, keep_fp32=keep_fp32,
                              report_samples=report_samples,
                              metadata=chosen,
                              progress=lambda done, total: bar.update(task, completed=done),
@@ -270,7 +285,9 @@ def accuracy_options(f):
     f = click.option("--min-sqnr", type=float, default=None, metavar="DB",
                      help="With --images: fail when an output's SQNR against the fp32 model is below DB.")(f)
     f = click.option("--max-drop", type=click.FloatRange(0, 1), default=DEFAULT_MAX_DROP, show_default=True,
-                     help="With --images: fail when top-1 agreement with the fp32 model drops by more (0.05 = 5%).")(f)
+                     help="With --images: fail when top-1 agreement with the fp32 model, on the images where fp32's "
+                          "top-1 probability is >= 0.5, drops by more (0.05 = 5%); not judged with fewer than 20 "
+                          "such images. Detectors: matched boxes.")(f)
     f = click.option("--count", type=click.IntRange(1), default=None,
                      help="With --images: use N images (or video frames, spread), default all.")(f)
     return click.option("--images", type=click.Path(path_type=Path), default=None,
@@ -293,9 +310,10 @@ def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, mi
     if as_json:
         click.echo(json.dumps(res, indent=2))
     else:
+        from .agreement import describe
+
         for o in res["outputs"]:
-            agree = (f", top-1 agreement {o['top1_agreement']:.1%}, top-5 {o['top5_agreement']:.1%}"
-                     if "top1_agreement" in o else "")
+            agree = f", {describe(o)}" if "confident_images" in o else ""
             click.echo(f"  {o['name']}: SQNR {o['sqnr_db']:.1f} dB, cosine mean {o['cosine_mean']:.4f} "
                        f"(worst {o['cosine_min']:.4f}){agree}")
         if res.get("box_agreement") is not None:
@@ -303,9 +321,11 @@ def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, mi
                        f"(box agreement {res['box_agreement']:.1%}), {res['boxes_extra']} the fp32 model did not find")
         elif "boxes_fp32" in res:
             click.echo("  boxes: the fp32 model found none on these images: box agreement is not measured")
-        if res["top1_agreement"] is None and res["box_agreement"] is None and res["min_sqnr_db"] is None:
+        if res["confident_images"] is None and res["box_agreement"] is None and res["min_sqnr_db"] is None:
             click.echo("  nothing to judge these outputs by (no class scores, no boxes): give --min-sqnr DB, or "
                        "compile with --decoder")
+        for note in res["notes"]:
+            click.echo(f"  note: {note}")
         for f in res["failures"]:
             click.echo(f"  FAIL {f}")
         click.echo(f"{'PASS' if res['ok'] else 'FAIL'}: {res['images']} image(s) from {res['source']}, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -121,16 +122,48 @@ def test_quantize_writes_a_qdq_model_close_to_fp32_calibrated_on_the_bundles_pre
         assert np.abs(a - b).max() < 0.1 * np.abs(a).max()
 
 
-def test_per_tensor_and_uint8_activations(tmp_path, tiny, frames):
+def activation_zero_point_types(q: onnx.ModelProto) -> set[int]:
+    inits = {i.name: i for i in q.graph.initializer}
+    return {inits[n.input[2]].data_type for n in q.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def test_per_tensor_and_uint8_activations_given_over_the_targets_choice(tmp_path, tiny, frames):
     out = tmp_path / "pt.int8.onnx"
     res = quantize(tiny, out, frames["calib"], "--images", "12", "--per-tensor", "--activations", "uint8",
-                   "--method", "percentile")
+                   "--method", "percentile", "--target", "rk3588")
     assert res.returncode == 0, res.stderr
     q = onnx.load(str(out))
     assert all(v.size == 1 for v in weight_scales(q).values())
-    inits = {i.name: i for i in q.graph.initializer}
-    zps = [inits[n.input[2]].data_type for n in q.graph.node if n.op_type == "QuantizeLinear"]
-    assert zps and set(zps) == {TensorProto.UINT8}
+    assert activation_zero_point_types(q) == {TensorProto.UINT8}
+    settings = json.loads(q.metadata_props[0].value)
+    assert settings["activations_why"] == "given (--activations)" and settings["targets"] == ["host", "rk3588"]
+
+
+def test_the_activation_type_is_the_one_the_targets_kernels_want(tmp_path, tiny, frames):
+    """No --activations: uint8 for this x86_64 host alone (onnxruntime's x86 QLinearConv wants
+    unsigned activations), int8 once a board is a target (ACL's kernels want signed; the bundle is
+    the board's, its host lib only checks it); the choice and its reason are said and recorded, and
+    the next compile command carries the target."""
+    x86 = platform.machine() == "x86_64"      # an aarch64 workstation's host lib wants int8, as a board
+    want = {(): TensorProto.UINT8 if x86 else TensorProto.INT8, ("--target", "rk3588"): TensorProto.INT8}
+    for args, zp in want.items():
+        out = tmp_path / f"t{len(args)}.int8.onnx"
+        res = run_cli("tandoor", "quantize", str(tiny), "--calibration", str(frames["calib"]), "-o", str(out),
+                      "--images", "12", "--report-images", "1", *args)
+        assert res.returncode == 0, res.stderr
+        q = onnx.load(str(out))
+        assert activation_zero_point_types(q) == {zp}
+        settings = json.loads(q.metadata_props[0].value)
+        text = " ".join(res.stderr.split())
+        if not args and x86:
+            assert settings["activations"] == "uint8" and settings["activations_why"].startswith("for host (x86_64)")
+            assert "activations uint8: for host (x86_64): onnxruntime's x86" in text
+        elif args:
+            assert settings["activations"] == "int8" and settings["activations_why"].startswith("for rk3588 (aarch64)")
+            assert "ACL's int8 kernels" in text and "--target rk3588" in text.split("next:")[1]
+    bad = run_cli("tandoor", "quantize", str(tiny), "--calibration", str(frames["calib"]), "-o", str(tmp_path / "x.onnx"),
+                  "--target", "pdp11")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "unknown target 'pdp11'" in bad.stderr
 
 
 def test_a_video_calibrates_on_frames_spread_over_it(tmp_path, tiny, frames):
@@ -324,38 +357,60 @@ def test_the_next_command_carries_every_preprocessing_flag_given(tmp_path, tiny,
     assert json.loads(onnx.load(str(out)).metadata_props[0].value)["preprocess"]["pad_value"] == 0
 
 
-def test_max_drop_refuses_int8_past_the_budget_on_held_out_images_and_writes_nothing(tmp_path, tiny, frames):
-    """--max-drop with --validation (images calibration did not see), as NNCF's accuracy control: the
-    flat classifier INT8 rounds to zeros loses its top-1 on most frames, so quantize and compile
-    --int8 refuse it in one line (exit 2) and leave nothing behind; the tiny CNN within a loose
-    budget is written, and what compile judged is what verify then measures on the bundle."""
-    src = tmp_path / "flat.onnx"
-    onnx.save(flat_classifier(), str(src))
-    out = tmp_path / "flat.int8.onnx"
-    res = quantize(src, out, frames["calib"], "--images", "12", "--validation", str(frames["eval"]), "--max-drop", "0.05")
-    # the layer report's warning (printed even with -q) names the cause; the refusal is one line
+def two_way_classifier(top2: tuple[float, float]) -> onnx.ModelProto:
+    """tiny_cnn whose logits are its bias (the head's weights ~0): classes 0 and 1 at ``top2``, the
+    other eight at -10. With (2.009, 2.01) fp32 is sure of class 1 on every image (probability
+    0.5002 >= 0.5) and INT8 is not: the two are within one output step of the top of the range,
+    both round to its last code, and the tie's argmax is class 0."""
+    m = tiny_cnn()
+    for i in m.graph.initializer:
+        if i.name == "wf":
+            i.CopyFrom(numpy_helper.from_array((RNG.standard_normal((10, 8)) * 1e-7).astype(np.float32), "wf"))
+        if i.name == "bf":
+            i.CopyFrom(numpy_helper.from_array(np.array([*top2] + [-10.0] * 8, np.float32), "bf"))
+    return m
+
+
+def test_max_drop_judges_the_top1_where_fp32_is_sure_and_refuses_past_it_or_without_it(tmp_path, frames):
+    """--max-drop with --validation (images calibration did not see), as NNCF's accuracy control,
+    on the images where fp32's top-1 probability is >= 0.5: a model sure of a top-1 INT8 loses is
+    refused by quantize and compile --int8 in one line (exit 2), leaving nothing behind; the flat
+    classifier (every probability 0.001: fp32 sure of nothing) is refused as not judgeable, saying
+    how many images were; a model INT8 keeps is written, and what compile judged is what verify
+    then measures on the bundle."""
+    fragile, flat, sure = tmp_path / "fragile.onnx", tmp_path / "flat.onnx", tmp_path / "sure.onnx"
+    onnx.save(two_way_classifier((2.009, 2.01)), str(fragile))
+    onnx.save(flat_classifier(), str(flat))
+    onnx.save(two_way_classifier((2.0, 2.3)), str(sure))
+    models = sorted(p.name for p in tmp_path.iterdir())
+    budget = ("--validation", str(frames["eval"]), "--max-drop", "0.05")
+    res = quantize(fragile, tmp_path / "fragile.int8.onnx", frames["calib"], "--images", "12", *budget)
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and last.startswith("tandoor: error: INT8 is past --max-drop 5.0%"), res.stderr
-    assert "nothing written" in last
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.onnx"]
-    hmod_out = tmp_path / "flat.hmod"
-    res = run_cli("tandoor", "compile", str(src), "-o", str(hmod_out), "-q", "--mean", MEAN, "--std", STD,
-                  "--measure", "off", "--int8", "--calibration", str(frames["calib"]), "--images", "12",
-                  "--validation", str(frames["eval"]), "--max-drop", "0.05")
+    assert "top-1 agreement 0.0% on the 125 image(s) where fp32 is confident" in last and "nothing written" in last
+    res = quantize(flat, tmp_path / "flat.int8.onnx", frames["calib"], "--images", "12", *budget)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "--max-drop cannot be judged" in last and "on 0 of 125 image(s)" in last, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == models
+    hmod_out = tmp_path / "fragile.hmod"
+    res = run_cli("tandoor", "compile", str(fragile), "-o", str(hmod_out), "-q", "--mean", MEAN, "--std", STD,
+                  "--measure", "off", "--int8", "--calibration", str(frames["calib"]), "--images", "12", *budget)
     assert res.returncode == 2 and "past --max-drop" in res.stderr and not hmod_out.exists(), res.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.onnx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == models
     # within a budget: written, and verify on the same held-out images agrees with the judgement
-    good = tmp_path / "tiny.int8.hmod"
-    res = run_cli("tandoor", "compile", str(tiny), "-o", str(good), "--mean", MEAN, "--std", STD, "--measure", "off",
-                  "--int8", "--calibration", str(frames["calib"]), "--images", "20",
-                  "--validation", str(frames["eval"]), "--max-drop", "0.5")
+    good = tmp_path / "sure.int8.hmod"
+    res = run_cli("tandoor", "compile", str(sure), "-o", str(good), "--mean", MEAN, "--std", STD, "--measure", "off",
+                  "--int8", "--calibration", str(frames["calib"]), "--images", "20", *budget)
     assert res.returncode == 0 and good.exists(), res.stderr
-    said = float(" ".join(res.stderr.split()).split("held-out image(s): top-1 agreement ")[1].split("%")[0])
-    rep = json.loads(run_cli("tandoor", "verify", str(good), "--reference", str(tiny), "--images", str(frames["eval"]),
-                             "--max-drop", "0.5", "--json").stdout)
-    assert rep["images"] == 125 and rep["top1_agreement"] == pytest.approx(said / 100, abs=0.0005)
+    said = " ".join(res.stderr.split()).split("held-out image(s): top-1 agreement ")[1]
+    assert said.startswith("100.0% on 125 confident image(s)"), said
+    rep = json.loads(run_cli("tandoor", "verify", str(good), "--reference", str(sure), "--images", str(frames["eval"]),
+                             "--max-drop", "0.05", "--json").stdout)
+    assert rep["images"] == rep["confident_images"] == 125 and rep["top1_agreement"] == 1.0 and rep["ok"]
+    assert rep["scores"] == "logits" and rep["top5_agreement"] == 1.0
     # the budget needs its images, and the other way round: refused before any work
-    res = quantize(tiny, out, frames["calib"], "--max-drop", "0.05")
+    out = tmp_path / "x.int8.onnx"
+    res = quantize(sure, out, frames["calib"], "--max-drop", "0.05")
     assert res.returncode == 2 and "--max-drop and --validation go together" in res.stderr and not out.exists()
 
 
