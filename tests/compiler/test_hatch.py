@@ -24,30 +24,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from support.cli import manifest_of, run_cli
-from support.tails import e2e_detector, loop_of_data, nonzero_tail
-
-F = TensorProto.FLOAT
-N = helper.make_node
-RNG = np.random.default_rng(20261204)
-
-
-def _w(*shape) -> np.ndarray:
-    return (RNG.standard_normal(shape) * 0.3).astype(np.float32)
-
-
-def _vi(name, shape, elem=F):
-    return helper.make_tensor_value_info(name, elem, shape)
-
-
-def _save(path: Path, nodes, inputs, outputs, inits: dict, opset: int = 17) -> Path:
-    g = helper.make_graph(nodes, path.stem, inputs, outputs, [numpy_helper.from_array(np.asarray(v), k)
-                                                              for k, v in inits.items()])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8), str(path))
-    return path
-
-
-def _i64(*v) -> np.ndarray:
-    return np.array(v, np.int64)
+# the small onnx.helper builders are tails.py's: one set for the hatch's models and the tail's
+from support.tails import F, N, _i64, _save, _vi, _w, e2e_detector, loop_of_data, nonzero_tail
 
 
 def lstm(d: Path) -> Path:
