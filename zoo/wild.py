@@ -139,9 +139,10 @@ MODELS.update({m.name: m for m in [
 UNSEEN = ("blazeface_front", "mlsd_tiny", "ppocr_v4_rec", "ppocr_v2_rec", "slanet_table", "ddddocr_ocr",
           "captcha_crnn")
 #: Those run on both emulated boards in the suite (tests/board), an LSTM recogniser among them and
-#: the tf2onnx detector. Under emulation (trixie, a loaded 2-core host) the others took longer:
-#: M-LSD 4.2 min (its deep relu6 stack), SLANet's Loop decoder over 10 min, and the captcha CRNN's
-#: 275 MB bundle (80 unrolled Gemm steps) 45 s to run after its copy
+#: the tf2onnx detector. All seven pass on both boards; on a quiet host the bookworm board took
+#: (load + one run) SLANet's Loop decoder 263 s, M-LSD 71 s, ddddocr 21 s, blazeface 15 s, the
+#: captcha CRNN 15 s (a 275 MB bundle to copy first), the PP-OCR recognisers 3 and 6 s: the two
+#: slow ones would add about 5.5 min per board unit
 UNSEEN_ON_BOARDS = ("blazeface_front", "ppocr_v2_rec", "ppocr_v4_rec", "ddddocr_ocr")
 
 DETECTORS = ("centerface", "yolov8n_320", "yolox_det", "picodet_layout", "ppocr_det")
