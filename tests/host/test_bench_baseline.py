@@ -27,7 +27,9 @@ def test_the_baseline_is_the_better_onnxruntime_configuration_at_tvms_thread_cou
     d = res["details"]
     default, nospin = d["onnxruntime_default_ms"], d["onnxruntime_nospin_ms"]
     assert res["onnxruntime_ms"] == min(default, nospin)
-    assert res["onnxruntime_baseline"] == ("default" if default <= nospin else "no spinning")
+    # the details are rounded to the microsecond; the choice was made on the unrounded medians
+    assert res["onnxruntime_baseline"] in (("default", "no spinning") if default == nospin else
+                                           ("default" if default < nospin else "no spinning",))
     assert d["threads"]["onnxruntime"] == int(d["threads"]["TVM_NUM_THREADS"]) == 1
     assert d["threads"]["TVM_THREAD_POOL_SPIN_COUNT"] in ("0", "300000")   # by the load (agent/run/board.py)
     ort = res["onnxruntime_ms"]
