@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tandoor_contract import durable
 
 #: bump when an entry's layout or the key's recipe changes
@@ -53,6 +55,8 @@ MANIFEST_ONLY = ("key", "version", "build", "check", "cache",
                  "decoder", "decoder_options")
 #: option fields that name files: keyed by their content
 FILE_OPTIONS = ("profile",)
+# options that are lists of lists of arrays (the NPU's calibration inputs): keyed by their bytes
+ARRAY_OPTIONS = ("npu_samples",)
 PACKAGES = ("tandoor_compiler", "tandoor_contract", "tandoor_agent")
 LIBRARIES = ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime", "numpy")
 DEFAULT_MB = 4096
@@ -150,6 +154,16 @@ def _external_data(model: Path) -> list[str]:
     return sorted(names)
 
 
+def _arrays_digest(samples: list) -> str:
+    h = hashlib.sha256()
+    for xs in samples:
+        for a in xs:
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(a.tobytes())
+    return h.hexdigest()
+
+
 def key(model: str | Path, opts: Any, targets: list[str]) -> str:
     """The cache key of compiling ``model`` with ``opts`` (pipeline.Options) for ``targets``."""
     model = Path(model)
@@ -160,8 +174,15 @@ def key(model: str | Path, opts: Any, targets: list[str]) -> str:
         v = getattr(opts, f.name)
         if f.name in FILE_OPTIONS and v is not None:
             v = durable.sha256_file(Path(v))
+        if f.name in ARRAY_OPTIONS and v is not None:
+            v = _arrays_digest(v)
         fields[f.name] = v
     fields["targets"] = list(targets)
+    if getattr(opts, "npu", False):     # the toolkit lives in its own venv: its version by its dist-info
+        from . import rknn
+
+        fields["rknn_toolkit"] = sorted(p.name for p in rknn.python().parents[1].glob("lib/python*/site-packages/"
+                                                                                      "rknn_toolkit2-*.dist-info"))
     ext = {}
     for name in _external_data(model):
         p = model.parent / name

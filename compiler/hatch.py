@@ -94,6 +94,7 @@ class Group:
     kind: str = "onnx"           # the order's kind: "onnx", or "rknn" (compiler/npu.py picked it)
     rknn: dict = field(default_factory=dict)    # an rknn order's toolkit facts (compiler/rknn.py)
     rknn_blob: bytes = b""
+    simulated: list = field(default_factory=list)   # rknn: the simulator's outputs on the check inputs
     tail: bool = False                # runs after the VM (module doc); its outputs may be any size
 
     @property

@@ -265,7 +265,7 @@ def pick(model: onnx.ModelProto, avoid: set[int] = frozenset()) -> Pick:
 
 # --- the compile's NPU step: convert each rknn group and prove it in the simulator -------------------
 
-def _activations(model: onnx.ModelProto, names: list[str], feeds: list[list[np.ndarray]]) -> list[dict]:
+def activations(model: onnx.ModelProto, names: list[str], feeds: list[list[np.ndarray]]) -> list[dict]:
     """The model's tensors ``names`` (fp32, onnxruntime) for each list of model inputs."""
     import onnxruntime as ort
 
@@ -297,50 +297,123 @@ def split_samples(samples: list[list[np.ndarray]]) -> tuple[list, list]:
     return [s for k, s in enumerate(samples) if k not in held], [s for k, s in enumerate(samples) if k in held]
 
 
+@dataclass
+class Converted:
+    """The NPU step's outcome (:func:`convert_groups`)."""
+
+    orders: list[dict]                      # per converted rknn group: its toolkit facts and simulator check
+    check: list[list[np.ndarray]]           # the model inputs the simulator was judged on
+    held_out: bool                          # ``check`` are held-out calibration frames (else probe inputs)
+    failed: dict[str, str]                  # rknn group symbol -> why the toolkit could not convert it
+
+    @property
+    def source(self) -> str:
+        return (f"{len(self.check)} held-out calibration frame(s)" if self.held_out
+                else f"{len(self.check)} probe input(s)")
+
+
 def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples: list[list[np.ndarray]] | None,
-                   probe_inputs: list[list[np.ndarray]], say) -> list[dict]:
-    """Each rknn group (hatch.Group of kind "rknn") -> its .rknn (``g.rknn_blob``) and facts
-    (``g.rknn``), INT8 calibrated on the group's own inputs as the model computes them from
-    ``samples`` (the bundle's preprocessing already applied), checked in the toolkit's simulator
-    against onnxruntime on held-out samples (or, fp16 without samples, the probe inputs).
-    CompileError past the tolerance. Returns one summary per group."""
+                   probe_inputs: list[list[np.ndarray]], say, judged: bool = False) -> Converted:
+    """Each rknn group (hatch.Group of kind "rknn") -> its .rknn (``g.rknn_blob``), facts
+    (``g.rknn``) and the simulator's outputs on the check inputs (``g.simulated``), INT8 calibrated
+    on the group's own inputs as the model computes them from ``samples`` (the bundle's
+    preprocessing already applied), checked in the toolkit's simulator against onnxruntime on
+    held-out samples (or, fp16 without samples, the probe inputs). A group the toolkit cannot
+    convert is named in ``failed`` (the caller leaves it on the CPU); one past the tolerance is a
+    CompileError: the NPU would run it, and it would be wrong. With ``judged`` (`--max-drop`: the
+    caller judges the bundle's answers on real frames) it is said, recorded as ``past``, and kept."""
     from . import rknn
     from .errors import CompileError
 
+    calib, check = split_samples(samples) if samples else ([], probe_inputs)
+    done = Converted([], check, bool(samples), {})
     rk = [g for g in groups if g.kind == "rknn"]
     if not rk:
-        return []
-    calib, check = split_samples(samples) if samples else ([], probe_inputs)
-    source = f"{len(check)} held-out calibration frame(s)" if samples else f"{len(check)} probe input(s)"
+        return done
     names = sorted({n for g in rk for n in g.inputs + g.outputs})
-    acts_cal = _activations(model, names, calib) if dtype == "int8" else []
-    acts_chk = _activations(model, names, check)
-    out = []
+    acts_cal = activations(model, names, calib) if dtype == "int8" else []
+    acts_chk = activations(model, names, check)
     for g in rk:
         say(f"{g.symbol}: converting {len(g.nodes)} node(s) for the RK3588 NPU ({dtype}) and checking it in the "
             "RKNN simulator")
-        res = rknn.convert(g.onnx_bytes, dtype=dtype, calibration=[[a[n] for n in g.inputs] for a in acts_cal],
-                           check=[[a[n] for n in g.inputs] for a in acts_chk], analysis=dtype == "int8")
+        try:
+            res = rknn.convert(g.onnx_bytes, dtype=dtype, calibration=[[a[n] for n in g.inputs] for a in acts_cal],
+                               check=[[a[n] for n in g.inputs] for a in acts_chk], analysis=dtype == "int8")
+        except rknn.ConvertFailed as err:
+            say(f"{g.symbol}: the RKNN toolkit cannot convert it ({err.why}): it stays on the CPU")
+            done.failed[g.symbol] = err.why
+            continue
         want = [[a[n] for n in g.outputs] for a in acts_chk]
         agree = rknn.agreement(res["outputs"], want)
         tol = rknn.TOLERANCE[dtype]
         bad = rknn.past(agree, tol)
         worst = sorted((r for r in res.get("report") or [] if r.get("cosine") is not None),
                        key=lambda r: r["cosine"])[:5]
-        if bad:
-            hurt = "; layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})"
-                                                          for r in worst) if worst else ""
-            raise CompileError(f"{g.symbol} on the NPU ({dtype}) does not agree with onnxruntime fp32 on {source}: "
-                               f"{'; '.join(bad)}{hurt}; nothing was written. "
+        hurt = "; layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})"
+                                                      for r in worst) if worst else ""
+        if bad and judged:
+            say(f"{g.symbol}: past the order's own bound on {done.source} ({'; '.join(bad)}{hurt}): --max-drop "
+                "judges it on --validation")
+        elif bad:
+            raise CompileError(f"{g.symbol} on the NPU ({dtype}) does not agree with onnxruntime fp32 on "
+                               f"{done.source}: {'; '.join(bad)}{hurt}; nothing was written. "
                                + ("Try --npu-dtype fp16, more calibration frames, or compile without --npu"
                                   if dtype == "int8" else "Compile without --npu (or report the model: fp16 "
                                   "should keep it)"))
         g.rknn_blob = res["blob"]
+        g.simulated = res["outputs"]
         g.rknn = {"toolkit_version": res["toolkit_version"], "dtype": dtype, "target_platform": rknn.TARGET_PLATFORM,
                   "tolerance": tol,
-                  "check": {"source": source, "cosine": [round(c, 6) for c in agree["cosine"]],
+                  "check": {"source": done.source, "cosine": [round(c, 6) for c in agree["cosine"]],
                             "max_err": [round(e, 6) for e in agree["max_err"]], "top1": agree["top1"]},
+                  **({"past": bad} if bad else {}),
                   "calibration_frames": len(acts_cal),
                   "worst_layers": worst, "seconds": res.get("seconds", {})}
-        out.append({"symbol": g.symbol, **g.rknn})
-    return out
+        done.orders.append({"symbol": g.symbol, **g.rknn})
+    return done
+
+
+def keep_converted(old: list, new: list) -> None:
+    """Carry each converted rknn group's results from ``old`` groups to the same nodes in ``new``
+    (a second cut, made after a group failed to convert, numbers the groups anew)."""
+    def nodes_of(g) -> frozenset:
+        return frozenset(o for n in g.nodes for o in n.output)
+
+    by_nodes = {nodes_of(g): g for g in old if g.kind == "rknn" and g.rknn_blob}
+    for g in new:
+        if g.kind == "rknn" and (was := by_nodes.get(nodes_of(g))) is not None:
+            g.rknn, g.rknn_blob, g.simulated = was.rknn, was.rknn_blob, was.simulated
+
+
+def simulated_outputs(model: onnx.ModelProto, groups: list, check: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
+    """The model's outputs on ``check`` as the NPU makes them: each rknn group's outputs are the
+    simulator's (``g.simulated``, on the same inputs), the rest onnxruntime fp32. Each group was
+    simulated on fp32 inputs, so errors of two groups in a row are not compounded here."""
+    import onnxruntime as ort
+
+    rk = [g for g in groups if g.kind == "rknn" and g.simulated]
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    made = {o for g in rk for n in g.nodes for o in n.output}
+    kept = [n for n in m.graph.node if not made.intersection(n.output)]
+    del m.graph.node[:]
+    fed = []
+    for g in rk:      # a group's output becomes an input, renamed so that it may also be a graph output
+        for o in g.outputs:
+            shape, dtype = g.specs[o]
+            m.graph.input.append(onnx.helper.make_tensor_value_info(
+                f"{o}__npu", onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), shape))
+            fed.append(onnx.helper.make_node("Identity", [f"{o}__npu"], [o]))
+    m.graph.node.extend(fed + kept)     # the Identities read only inputs: first keeps the order topological
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    outs = []
+    for k, xs in enumerate(check):
+        feed = dict(zip(inputs, xs))
+        for g in rk:
+            feed.update({f"{o}__npu": np.asarray(a, np.dtype(g.specs[o][1])).reshape(g.specs[o][0])
+                         for o, a in zip(g.outputs, g.simulated[k])})
+        outs.append(sess.run(None, feed))
+    return outs

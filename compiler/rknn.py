@@ -37,6 +37,14 @@ MISSING = "--npu needs the RKNN toolkit: run scripts/setup.sh on an x86_64 host"
 TOLERANCE = {"int8": {"cosine": 0.98, "max_err": 0.25}, "fp16": {"cosine": 0.9999, "max_err": 0.01}}
 
 
+class ConvertFailed(CompileError):
+    """The toolkit answered, and cannot convert this model: the caller may leave it on the CPU."""
+
+    def __init__(self, why: str):
+        super().__init__(f"the RKNN toolkit cannot convert this part of the model: {why}")
+        self.why = why
+
+
 def python() -> Path:
     """The toolkit venv's interpreter: $TANDOOR_RKNN_PYTHON, else .venv-rknn beside the running venv
     (scripts/setup.sh makes both in the repository's root), else CompileError with the fix."""
@@ -97,7 +105,7 @@ def convert(onnx_bytes: bytes, *, dtype: str, calibration: list[list[np.ndarray]
             raise CompileError(f"the RKNN worker speaks protocol {ans.get('protocol')}, the compiler {PROTOCOL}; "
                                "rerun scripts/setup.sh")
         if not ans.get("ok"):
-            raise CompileError(f"the RKNN toolkit cannot convert this part of the model: {ans.get('error')}")
+            raise ConvertFailed(str(ans.get("error") or "no reason given"))
         return {"blob": Path(ans["rknn"]).read_bytes(), "toolkit_version": ans["toolkit_version"],
                 "outputs": [[np.load(p) for p in outs] for outs in ans["outputs"]], "report": ans.get("report"),
                 "seconds": ans.get("seconds", {})}
@@ -197,3 +205,21 @@ class Simulator:
                 self._proc.kill()
             self._proc = None
         self._tmp.cleanup()
+
+
+def simulated_runtime(model, samples: list[list[np.ndarray]] | None):
+    """The agent's ``executors.rknn_runtime`` on the host: each rknn order's ONNX rendering in the
+    toolkit's simulator, INT8 calibrated on the same activations as the compile (``samples``: the
+    model inputs the compile had, ``model``: its ONNX model), so a bundle runs here as the NPU
+    would run it: `compile --npu --max-drop` and the tests judge it so."""
+    from . import npu
+
+    calib = npu.split_samples(samples)[0] if samples else []
+
+    def make(ctx) -> Simulator:
+        names = [i["name"] for i in ctx.order["inputs"]]
+        dtype = (ctx.order.get("rknn") or {}).get("dtype", "fp16")
+        acts = npu.activations(model, names, calib) if dtype == "int8" else []
+        return Simulator(ctx.bundle.read(ctx.part["onnx"]), dtype, [[a[n] for n in names] for a in acts])
+
+    return make

@@ -3,7 +3,8 @@ the device's health gate and `tandoor verify`, so that the three cannot disagree
 
 The manifest's ``tolerance`` is the compiler's promise. Bundles before 2026-12 hold one pair for
 every output (``{"atol": .., "rtol": ..}``); newer ones add, per output, the pair promised on each
-path (the executors that ran the delegated orders: ``onnxruntime``, ``armnn``, ``tvm``) and why::
+path (the executors that ran the delegated orders: ``onnxruntime``, ``armnn``, ``tvm``, ``rknn``)
+and why::
 
     "tolerance": {"atol": 0.004, "rtol": 0.001,          # the loosest: what old readers apply
                   "outputs": {"maps": {"atol": 0.004, "rtol": 0.001, "why": "...",
@@ -54,12 +55,17 @@ def tolerance(manifest_tolerance: Mapping | None, output: str, path: str) -> Tol
     return Tolerance(pair["atol"], pair["rtol"], str((on_path or {}).get("why") or entry.get("why") or ""))
 
 
+#: the paths in the order they decide a run's: the loosest promise first. An rknn order on the NPU
+#: (INT8 or fp16) strays furthest from fp32; its promise is what the compiler measured in the
+#: toolkit's simulator on real frames (the bundle's golden pairs are those frames).
+PATHS = ("rknn", "tvm", "armnn", "onnxruntime")
+
+
 def path_of(executors: Sequence[Mapping]) -> str:
     """The path a run took, from the module's ``describe()`` (one entry per delegated order): the
-    TVM fallback when any order ran on it, else Arm NN when any did, else onnxruntime; no
-    delegated order at all is TVM alone."""
+    first of :data:`PATHS` any order ran on; no delegated order at all is TVM alone."""
     used = {str(e.get("executor")) for e in executors}
-    for name in ("tvm", "armnn", "onnxruntime"):
+    for name in PATHS:
         if name in used:
             return name
     return "tvm"

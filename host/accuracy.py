@@ -18,6 +18,8 @@ min_sqnr_db when given.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +85,22 @@ def match_boxes(reference: list[dict], got: list[dict], iou: float = MATCH_IOU) 
             matched += 1
             free.remove(cands[best])
     return matched
+
+
+@contextlib.contextmanager
+def simulated_npu(model: str | Path, inputs, samples: list[list[np.ndarray]] | None) -> Iterator[None]:
+    """Within it, a bundle's rknn orders run in the RKNN toolkit's simulator (the agent's
+    ``executors.rknn_runtime``), calibrated as `compile --npu` calibrated them on ``samples`` (the
+    model inputs it made from --calibration), so the host judges what the NPU would give."""
+    from tandoor_agent.run import executors
+    from tandoor_compiler import frontend, rknn
+
+    was = executors.rknn_runtime
+    executors.rknn_runtime = rknn.simulated_runtime(frontend.load(model, list(inputs)).proto, samples)
+    try:
+        yield
+    finally:
+        executors.rknn_runtime = was
 
 
 def compare_on_images(bundle_path: str | Path, reference: str | Path, images: str | Path, *,

@@ -232,9 +232,10 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
                 mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                 pad_value=pad_value, pixel_range=pixel_range))
         calibration = calib_count = None
-    if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32 or max_drop is not None) and not int8):
-        raise CompileError("--int8 and --calibration go together (--images, --keep-fp32 and --max-drop with them): give "
-                           "both to quantize on your images first, or neither")
+    if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32) and not int8) \
+            or (max_drop is not None and not (int8 or npu)):
+        raise CompileError("--int8 and --calibration go together (--images, --keep-fp32 and --max-drop with them, or "
+                           "--max-drop with --npu): give both to quantize on your images first, or neither")
     check_budget(validation, max_drop, model=model, inputs=inputs, decoder=decoder)
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),
@@ -242,7 +243,8 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
                    resize=resize, letterbox_align=letterbox_align, pad_value=pad_value, pixel_range=pixel_range,
                    decoder=decoder,
                    decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det},
-                   cache=not no_cache, npu=npu, npu_dtype=npu_dtype, npu_samples=npu_samples)
+                   cache=not no_cache, npu=npu, npu_dtype=npu_dtype, npu_samples=npu_samples,
+                   npu_judged=npu and max_drop is not None)
     console = Console(stderr=True, quiet=quiet, log_path=False)
     times: dict[str, float] = {}
     source = model     # the fp32 model: what --max-drop judges the INT8 bundle against
@@ -266,10 +268,17 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             try:
                 p = compile_model(model, staged, opts, progress=progress, timings=times)
                 if max_drop is not None:
-                    from .accuracy import compare_on_images
+                    from .accuracy import compare_on_images, simulated_npu
 
-                    status.update(f"judging the INT8 bundle on {validation}")
-                    judge(compare_on_images(staged, source, validation, max_drop=max_drop), max_drop, console)
+                    if npu:     # the rknn orders as the NPU runs them: in the toolkit's simulator
+                        status.update(f"judging the bundle on {validation} with its NPU part in the RKNN simulator")
+                        with simulated_npu(source, inputs, npu_samples):
+                            res = compare_on_images(staged, source, validation, max_drop=max_drop, delegate="auto")
+                        judge(res, max_drop, console, what=f"the NPU's {npu_dtype}",
+                              fix=_npu_fix(p["npu"]))
+                    else:
+                        status.update(f"judging the INT8 bundle on {validation}")
+                        judge(compare_on_images(staged, source, validation, max_drop=max_drop), max_drop, console)
                     os.replace(staged, out)
             finally:
                 if staged != Path(out):
@@ -304,6 +313,16 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
 
 
 NPU_FRAMES = 50      # frames of a video for --npu, every fifth held out for the check (a directory: all its images)
+
+
+def _npu_fix(npu: dict) -> str:
+    """What to try when the NPU's answers are past --max-drop: the layers the simulator's per-layer
+    report says hurt most (compiler/rknn_worker.py), then the usual ways out."""
+    worst = sorted((r for o in npu.get("orders") or () for r in o.get("worst_layers") or ()),
+                   key=lambda r: r["cosine"])[:5]
+    hurt = ("Layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})" for r in worst)
+            + ". ") if worst else ""
+    return hurt + "Try --npu-dtype fp16, more --calibration frames, or compile without --npu"
 
 
 def _npu_samples(model, inputs, calibration, count, flags: dict) -> list[list]:

@@ -79,7 +79,9 @@ NOTHING_TO_JUDGE = ("--max-drop: these outputs have no class scores and no boxes
                     "tandoor verify --images --min-sqnr")
 
 
-def judge(res: dict, max_drop: float, console) -> None:
+def judge(res: dict, max_drop: float, console, *, what: str = "INT8",
+          fix: str = "Try --method percentile, more calibration images, or --keep-fp32 on the layers the report "
+                     "names") -> None:
     """Print what the held-out images said; a CompileError (exit 2) past the budget."""
     from .agreement import describe
 
@@ -94,9 +96,8 @@ def judge(res: dict, max_drop: float, console) -> None:
         raise CompileError(f"--max-drop cannot be judged on --validation's {res['images']} image(s): "
                            f"{res['notes'][0]}; nothing written (or drop --max-drop and read tandoor verify --images)")
     if not res["ok"]:
-        raise CompileError(f"INT8 is past --max-drop {max_drop:.1%} on {res['images']} held-out image(s): "
-                           f"{'; '.join(res['failures'])}; nothing written. Try --method percentile, more "
-                           "calibration images, or --keep-fp32 on the layers the report names")
+        raise CompileError(f"{what} is past --max-drop {max_drop:.1%} on {res['images']} held-out image(s): "
+                           f"{'; '.join(res['failures'])}; nothing written. {fix}")
 
 
 def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range) -> dict | None:
