@@ -80,6 +80,12 @@ def symbol_prefix(model_name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in model_name)[:40]
 
 
+def rknn_symbol(model_name: str, k: int) -> str:
+    """The symbol of the NPU's k-th group (npu.pick's order): the same in every compile of a model,
+    so a board's profile of one bundle speaks of the next compile's groups."""
+    return f"{symbol_prefix(model_name)}_rknn_{k}"
+
+
 @dataclass
 class Group:
     """A connected run of nodes for onnxruntime: one order."""
@@ -264,7 +270,7 @@ def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict],
     prefix = symbol_prefix(model_name)
     groups: list[Group] = []
     cuts = [(f"{prefix}_ort_{k}", "onnx", members, picked) for k, members in enumerate(merge(model, picked))]
-    cuts += [(f"{prefix}_rknn_{k}", "rknn", kept, why) for k, (members, why) in enumerate(npu)
+    cuts += [(rknn_symbol(model_name, k), "rknn", kept, why) for k, (members, why) in enumerate(npu)
              if (kept := [m for m in members if m not in tail_at])]
     if tail_at:
         cuts.append((f"{prefix}_tail", "onnx", sorted(tail_at), tail_at))

@@ -263,6 +263,38 @@ def pick(model: onnx.ModelProto, avoid: set[int] = frozenset()) -> Pick:
     return Pick(taken, refused, groups, dropped, {k: flops(n, ctx) for k, n in enumerate(nodes)})
 
 
+def apply_profile(picked: Pick, measured, model_name: str, nodes: list[onnx.NodeProto]) -> str:
+    """Decide each group from a board's profile (compiler/profile.Measured of a bundle of this model
+    compiled with --npu) where it measured the group's rknn order: a group the NPU ran slower than
+    onnxruntime ran its ONNX rendering leaves the NPU (``picked.refused`` says by how much).
+    Returns the manifest's ``source`` of the decision."""
+    subs = measured.data.get("subgraphs") or {}
+    board = measured.key.get("board") or "the board"
+    decided, absent = 0, []
+    for k, members in enumerate(list(picked.groups)):
+        s = subs.get(hatch.rknn_symbol(model_name, k))
+        if s is None or sorted(s.get("ops") or ()) != sorted(f"onnx.{hatch.op_name(nodes[m])}" for m in members):
+            continue                           # another pick made that profile: the estimate decides
+        exec_us, bridge = s.get("exec_us") or {}, s.get("bridge_us") or {}
+        if "rknn" not in exec_us:
+            absent.append((s.get("unavailable") or {}).get("rknn", "not measured"))
+            continue
+        decided += 1
+        on_npu = exec_us["rknn"] + bridge.get("rknn", 0.0)
+        cpu = {e: exec_us[e] + bridge.get(e, 0.0) for e in exec_us if e != "rknn"}
+        best = min(cpu, key=cpu.get) if cpu else None
+        if best is not None and cpu[best] < on_npu:
+            measured.renumbered = True
+            picked.groups.remove(members)
+            picked.refused.update({m: f"measured on {board}: {on_npu:.0f} us on the NPU, {cpu[best]:.0f} us on "
+                                      f"{best}" for m in members})
+    if decided:
+        return f"measured (profile of {board})"
+    if absent:
+        return f"estimate (NPU op table; the profile's board has no NPU: {absent[0][:120]})"
+    return "estimate (NPU op table)"
+
+
 # --- the compile's NPU step: convert each rknn group and prove it in the simulator -------------------
 
 def activations(model: onnx.ModelProto, names: list[str], feeds: list[list[np.ndarray]]) -> list[dict]:

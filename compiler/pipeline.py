@@ -269,6 +269,12 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     with stage("load", timings):
         loaded = frontend.load(model, opts.inputs)
         picked = npu.pick(loaded.proto, avoid=set(hatch.reasons(loaded.proto))) if opts.npu else None
+        npu_source, board_profile = "estimate (NPU op table)", None
+        if picked is not None and opts.profile is not None:     # a board's numbers over the table's guess
+            say(f"checking the profile {Path(opts.profile).name}")
+            board_profile = profile_mod.load_for_compile(opts.profile, loaded, "aarch64")
+            npu_source = npu.apply_profile(picked, board_profile, opts.name or loaded.name,
+                                           list(loaded.proto.graph.node))
         loaded.tvm_proto, loaded.hatch = _cut(loaded, opts, picked)
     for g in loaded.hatch:
         say(f"{g.symbol}: {len(g.nodes)} node(s) to {'the NPU' if g.kind == 'rknn' else 'onnxruntime'}"
@@ -277,7 +283,7 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     if picked is not None:
         with stage("npu", timings):
             converted = _npu(loaded, opts, picked, say)
-            npu_summary = _npu_manifest(loaded, picked, converted.orders)
+            npu_summary = _npu_manifest(loaded, picked, converted.orders, npu_source)
     _media(opts, [i.as_dict() for i in loaded.inputs], {})     # a bad --mean or --decoder fails here, before the work
     say("importing into TVM Relax")
     with stage("import", timings):
@@ -286,7 +292,7 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     with stage("optimise", timings):
         mod, facts = passes.optimise(mod)
     with stage("partition", timings):
-        plan = _partition(mod, loaded, opts, tgts, say)
+        plan = _partition(mod, loaded, opts, tgts, say, measured=board_profile)
     if _measures(opts, tgts, plan):
         with stage("measure", timings):
             measured = _measure_here(mod, loaded, opts, tgts, say)
@@ -430,7 +436,7 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
                 loaded.hatch)
 
 
-def _npu_manifest(loaded: frontend.LoadedModel, picked: npu.Pick, converted: list[dict]) -> dict:
+def _npu_manifest(loaded: frontend.LoadedModel, picked: npu.Pick, converted: list[dict], source: str) -> dict:
     """The manifest's ``npu``: FLOPs (of the ONNX model, compiler/npu.py's count) in rknn orders,
     each order's toolkit facts and simulator check, and why the rest stayed on the CPU."""
     from collections import Counter
@@ -440,7 +446,7 @@ def _npu_manifest(loaded: frontend.LoadedModel, picked: npu.Pick, converted: lis
     on_npu = sum(picked.flops[k] for g in picked.groups for k in g)
     why = Counter(f"{nodes[k].op_type}: {r}" for k, r in {**picked.refused, **picked.dropped}.items())
     return {"target_platform": rknn_mod.TARGET_PLATFORM, "flops_total": round(total), "flops_rknn": round(on_npu),
-            "share": round(on_npu / total, 4) if total else 0.0, "source": "estimate (NPU op table)",
+            "share": round(on_npu / total, 4) if total else 0.0, "source": source,
             "orders": converted,
             "cpu": [{"why": w, "nodes": n} for w, n in why.most_common()]}
 

@@ -279,3 +279,26 @@ def test_an_npu_compile_is_cached_under_its_calibration_frames(tmp_path, monkeyp
                           measure="off")
     assert first["cache"]["hit"] is False and again["cache"]["hit"] is True and other["cache"]["hit"] is False
     assert again["npu"] == first["npu"]
+
+
+def test_a_boards_profile_decides_the_npu_and_a_region_slower_there_stays_on_the_cpu(tmp_path, monkeypatch):
+    """`tandoor-agent profile` measures an rknn order on the NPU (here the toolkit's simulator, far
+    slower than onnxruntime on the same region: a real measurement of that NPU); compiling again
+    with that profile leaves the region on the CPU, and the manifest says it was measured."""
+    from tandoor_agent.run import executors
+    from tandoor_agent.run import profile as agent_profile
+
+    model, samples = cnn(tmp_path), _frames(5)
+    first = tmp_path / "first.hmod"
+    compile_model(model, first, targets=["rk3588"], npu=True, npu_dtype="fp16", policy="all", measure="off")
+    monkeypatch.setattr(executors, "rknn_runtime", rknn.simulated_runtime(onnx.load(model), samples))
+    prof = agent_profile.measure(first, runs=3, warmup=1, executors=("rknn", "onnxruntime"))
+    agent_profile.write(prof, tmp_path / "board.json")
+    [sub] = [s for name, s in prof["subgraphs"].items() if name.endswith("_rknn_0")]
+    assert sub["backend"]["rknn"].startswith("NPU cores 0,1,2") and sub["exec_us"]["rknn"] > sub["exec_us"]["onnxruntime"]
+
+    again = compile_model(model, tmp_path / "again.hmod", targets=["rk3588"], npu=True, npu_dtype="fp16",
+                          profile=tmp_path / "board.json", measure="off")
+    n = again["npu"]
+    assert n["source"].startswith("measured (profile of ") and n["orders"] == [] and n["share"] == 0.0
+    assert any(re.match(r"Conv: measured on .+: \d+ us on the NPU, \d+ us on onnxruntime$", c["why"]) for c in n["cpu"])
