@@ -39,8 +39,12 @@ def _cnn(path):
 def test_an_npu_bundle_commits_through_the_health_gate_on_its_fallback_and_status_says_why(wd, broker):
     hmod.generate_keypair(wd / "k.pem", wd / "k.pub.pem")
     base = wd / "npu.hmod"
-    compile_model(_cnn(wd / "npu_cls.onnx"), base, targets=["rk3588"], npu=True, npu_dtype="fp16", measure="off",
-                  key=wd / "k.pem")
+    rng = np.random.default_rng(5)      # INT8 calibrated on frames: the golden pairs are held-out frames
+    frames = [[rng.uniform(-1, 1, (1, 3, 32, 32)).astype(np.float32)] for _ in range(10)]
+    compile_model(_cnn(wd / "npu_cls.onnx"), base, targets=["rk3588"], npu=True, npu_dtype="int8",
+                  npu_samples=frames, measure="off", key=wd / "k.pem")
+    with hmod.open_bundle(base) as b:
+        assert [g["inputs"] for g in b.manifest["golden"]] == [["golden/input_0_0.npy"], ["golden/input_1_0.npy"]]
     v1, v2 = (rewrite(base, wd / f"npu-v{i}.hmod", version(str(i)), wd / "k.pem") for i in (1, 2))
     slots = seed_slots(wd / "n1-slots", v1, wd / "k.pub.pem")
     cfg = write_config(wd / "n1.toml", device_id="n1", slot_dir=str(slots), trusted_keys=[str(wd / "k.pub.pem")],
