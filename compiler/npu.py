@@ -19,7 +19,7 @@ Ops not in the table stay on the CPU (ACL/TVM/onnxruntime, as without --npu), wi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -34,6 +34,7 @@ class Ctx:
     shapes: dict[str, list | None]       # tensor name -> static dims, or None where unknown
     dtypes: dict[str, int]               # tensor name -> ONNX elem type
     consts: set[str]                     # initializer names
+    ranges: dict[str, float] = field(default_factory=dict)   # INT8: largest |value| seen in calibration
 
     def dims(self, name: str) -> list | None:
         return self.shapes.get(name)
@@ -124,6 +125,24 @@ def _pad(node, ctx):
     return _const_inputs(1, 2)(node, ctx)
 
 
+# INT8 gives a tensor one scale: a concat of inputs whose ranges are this far apart leaves the
+# smaller with 256 / ratio levels (16: four bits). YOLOv8's last concat joins box coordinates (to
+# the input size) and class scores (0..1); Rockchip's model zoo re-exports it with split heads for
+# this; leaving the concat on the CPU splits them here.
+CONCAT_RANGE_RATIO = 16.0
+
+
+def _concat(node, ctx):
+    seen = [ctx.ranges[i] for i in node.input if i in ctx.ranges]
+    if len(seen) < 2 or min(seen) <= 0:
+        return None
+    if max(seen) / min(seen) > CONCAT_RANGE_RATIO:
+        return (f"INT8 would give it one scale for inputs up to {max(seen):.3g} and up to {min(seen):.3g} "
+                f"({max(seen) / min(seen):.0f}x apart, > {CONCAT_RANGE_RATIO:.0f}x): the smaller would keep a few "
+                "levels; the NPU's outputs stay apart and the CPU joins them")
+    return None
+
+
 def _softmax(node, ctx):
     rank = len(ctx.dims(node.input[0]) or [])
     axis = _attr(node, "axis", -1)
@@ -154,7 +173,7 @@ OPS: dict[str, NpuOp] = {o.op: o for o in [
     NpuOp("AveragePool", "2-D", _pool),
     NpuOp("GlobalAveragePool", "mean over H, W"),
     NpuOp("GlobalMaxPool", "max over H, W"),
-    NpuOp("Concat", "along any axis"),
+    NpuOp("Concat", "along any axis (INT8: inputs of like ranges)", _concat),
     NpuOp("Split", "constant split sizes", _const_inputs(1)),
     NpuOp("Slice", "constant starts/ends/axes/steps", _const_inputs(1, 2, 3, 4)),
     NpuOp("Reshape", "constant shape", _const_inputs(1)),
@@ -238,12 +257,13 @@ class Pick:
         return sum(self.flops[k] for g in self.groups for k in g) / total if total else 0.0
 
 
-def pick(model: onnx.ModelProto, avoid: set[int] = frozenset()) -> Pick:
-    """Apply the table to every node (``avoid``: nodes already cut for another reason), merge the
-    taken ones into connected groups (hatch's merge: no cycles through the CPU), and keep the
-    groups that hold at least one matrix op (a lone reshape on the NPU costs two copies, gains
-    nothing)."""
+def pick(model: onnx.ModelProto, avoid: set[int] = frozenset(), ranges: dict[str, float] | None = None) -> Pick:
+    """Apply the table to every node (``avoid``: nodes already cut for another reason; ``ranges``:
+    :func:`ranges` for INT8), merge the taken ones into connected groups (hatch's merge: no cycles
+    through the CPU), and keep the groups that hold at least one matrix op (a lone reshape on the
+    NPU costs two copies, gains nothing)."""
     ctx = context(model)
+    ctx.ranges = dict(ranges or {})
     nodes = list(model.graph.node)
     taken, refused = {}, {}
     for k, n in enumerate(nodes):
@@ -318,6 +338,18 @@ def activations(model: onnx.ModelProto, names: list[str], feeds: list[list[np.nd
         got = dict(zip(wanted, sess.run(wanted, feed))) if wanted else {}
         out.append({n: (feed[n] if n in feed else got[n]) for n in names})
     return out
+
+
+def ranges(model: onnx.ModelProto, samples: list[list[np.ndarray]]) -> dict[str, float]:
+    """The largest |value| each computed input of a Concat reaches on the calibration part of
+    ``samples`` (what INT8's per-tensor scales will be made from)."""
+    consts = {i.name for i in model.graph.initializer}
+    names = sorted({i for n in model.graph.node if n.op_type == "Concat" for i in n.input if i and i not in consts})
+    calib = split_samples(samples)[0]
+    if not names or not calib:
+        return {}
+    acts = activations(model, names, calib)
+    return {n: max(float(np.max(np.abs(a[n]), initial=0.0)) for a in acts) for n in names}
 
 
 def split_samples(samples: list[list[np.ndarray]]) -> tuple[list, list]:

@@ -268,7 +268,9 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     npu_summary = None
     with stage("load", timings):
         loaded = frontend.load(model, opts.inputs)
-        picked = npu.pick(loaded.proto, avoid=set(hatch.reasons(loaded.proto))) if opts.npu else None
+        picked = npu.pick(loaded.proto, avoid=set(hatch.reasons(loaded.proto)), ranges=npu.ranges(
+            loaded.proto, opts.npu_samples) if opts.npu_dtype == "int8" and opts.npu_samples else None) \
+            if opts.npu else None
         npu_source, board_profile = "estimate (NPU op table)", None
         if picked is not None and opts.profile is not None:     # a board's numbers over the table's guess
             say(f"checking the profile {Path(opts.profile).name}")

@@ -302,3 +302,23 @@ def test_a_boards_profile_decides_the_npu_and_a_region_slower_there_stays_on_the
     n = again["npu"]
     assert n["source"].startswith("measured (profile of ") and n["orders"] == [] and n["share"] == 0.0
     assert any(re.match(r"Conv: measured on .+: \d+ us on the NPU, \d+ us on onnxruntime$", c["why"]) for c in n["cpu"])
+
+
+def test_int8_leaves_a_concat_of_far_apart_ranges_on_the_cpu_so_the_npu_keeps_them_apart(tmp_path):
+    """YOLOv8's head joins box coordinates (to 320) and class scores (0..1) in its last Concat: one
+    INT8 scale for both crushes the scores. With INT8 ranges from calibration the table leaves that
+    Concat on the CPU (the NPU region gives both tensors apart); fp16 (no ranges) takes it."""
+    w = nh.from_array((RNG.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32), "w")
+    big = nh.from_array(np.array(300.0, np.float32), "big")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["scores"]),
+             helper.make_node("Mul", ["scores", "big"], ["boxes"]),
+             helper.make_node("Concat", ["boxes", "scores"], ["y"], axis=1)]
+    model = onnx.load(_model(tmp_path / "head.onnx", nodes, [w, big], x=(1, 3, 8, 8), y=(1, 8, 8, 8)))
+    [concat] = [k for k, n in enumerate(model.graph.node) if n.op_type == "Concat"]
+    ranges = npu.ranges(model, [[RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)] for _ in range(5)])
+    assert 0.5 < ranges["scores"] <= 1.0 and 150 < ranges["boxes"] <= 300
+    picked = npu.pick(model, ranges=ranges)
+    assert picked.refused[concat].startswith("INT8 would give it one scale for inputs up to ")
+    assert [sorted(g) for g in picked.groups] == [[0, 1, 2]]
+    assert concat in {k for g in npu.pick(model).groups for k in g}          # fp16: no ranges, one region
