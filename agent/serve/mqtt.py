@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -73,6 +74,16 @@ MAX_REQUEST_BYTES = 64 * 1024  # a command request; every real one is a few hund
 MAX_CORRELATION_ID_BYTES = 1024
 CMD_RE = re.compile(r"^[a-z][a-z0-9-]{0,63}$")
 REPLAY_WINDOW_S = RESPONSE_EXPIRY_S  # a repeated request within the life of its answer gets that answer
+UNREACHABLE_SAY_S = 60.0     # a broker that stays out of reach is said again this often
+
+
+def _unreachable(host: str, port: int) -> str:
+    """Why a connect failed, as far as the agent can tell: the name, or nobody answering."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as err:
+        return f"{host} does not resolve: {err.strerror or err}; check broker.host and the board's /etc/hosts"
+    return "no answer on that address; check that the broker runs and broker.port"
 REPLAY_MEMORY = 256                  # ... of the last this many requests
 #: test failpoint: "kill-loop:N" ends paho's network thread, "kill-sender:N" the sender thread,
 #: when telemetry message N is acknowledged / about to be sent (as a bug in either would)
@@ -157,6 +168,7 @@ class Link:
         self._connected = False
         self._stopping = False
         self._downgrade = False
+        self._unreachable_said = -float("inf")     # monotonic time the last "cannot reach" warning went out
         self._seq = 0
         self.connects = 0
         self.offline_dropped = 0
@@ -284,13 +296,21 @@ class Link:
             self._connected = True
             self.connects += 1
             self._cond.notify_all()
+        self._unreachable_said = -float("inf")      # the next outage is said at once
         log.info("connected to %s:%s (MQTT %s)", self.cfg["broker.host"], self.cfg["broker.port"], self.protocol)
         self._publish_status_now(self._status_fn())
         if self.updater is not None:
             self.updater.on_connected()
 
     def _on_connect_fail(self, client, userdata) -> None:
-        log.debug("cannot reach %s:%s; retrying", self.cfg["broker.host"], self.cfg["broker.port"])
+        # said at once and then every UNREACHABLE_SAY_S, not per retry: a broker that cannot be
+        # reached (a host name the board cannot resolve, a port nobody listens on) must not be silent
+        now = time.monotonic()
+        if now - self._unreachable_said < UNREACHABLE_SAY_S:
+            return
+        self._unreachable_said = now
+        host, port = self.cfg["broker.host"], self.cfg["broker.port"]
+        log.warning("cannot reach the broker at %s:%s (%s); retrying with backoff", host, port, _unreachable(host, port))
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         if client is not self._client:

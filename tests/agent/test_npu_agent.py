@@ -5,44 +5,24 @@ rendering, and the retained status names the NPU as unavailable and why (docs/np
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto as T
-from onnx import helper
-from onnx import numpy_helper as nh
 
 from support.agents import (START_TIMEOUT, AgentProcess, acks, assert_committed_state, broker, deploy,  # noqa: F401
                             running_sha, seed_slots, wd, write_config)
 from support.bundle_edit import rewrite, sha, version
 from support.mosquitto import Recorder, available
+from support.npu import npu_cnn, npu_frames
 from tandoor_compiler.pipeline import compile_model
 from tandoor_contract import hmod
 
 pytestmark = pytest.mark.skipif(not available(), reason="mosquitto is not installed (apt install mosquitto)")
 
 
-def _cnn(path):
-    rng = np.random.default_rng(3104)
-    w = nh.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32), "w")
-    fc = nh.from_array((rng.standard_normal((5, 8)) * 0.3).astype(np.float32), "fc")
-    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-                           helper.make_node("Relu", ["c"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["p"]),
-                           helper.make_node("Flatten", ["p"], ["f"]), helper.make_node("Gemm", ["f", "fc"], ["y"], transB=1)],
-                          "npu_cls", [helper.make_tensor_value_info("x", T.FLOAT, [1, 3, 32, 32])],
-                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 5])], [w, fc])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    onnx.save(m, path)
-    return path
-
-
 def test_an_npu_bundle_commits_through_the_health_gate_on_its_fallback_and_status_says_why(wd, broker):
     hmod.generate_keypair(wd / "k.pem", wd / "k.pub.pem")
     base = wd / "npu.hmod"
-    rng = np.random.default_rng(5)      # INT8 calibrated on frames: the golden pairs are held-out frames
-    frames = [[rng.uniform(-1, 1, (1, 3, 32, 32)).astype(np.float32)] for _ in range(10)]
-    compile_model(_cnn(wd / "npu_cls.onnx"), base, targets=["rk3588"], npu=True, npu_dtype="int8",
-                  npu_samples=frames, measure="off", key=wd / "k.pem")
+    compile_model(npu_cnn(wd / "npu_cls.onnx"), base, targets=["rk3588"], npu=True, npu_dtype="int8",
+                  npu_samples=npu_frames(), measure="off", key=wd / "k.pem")
     with hmod.open_bundle(base) as b:
         assert [g["inputs"] for g in b.manifest["golden"]] == [["golden/input_0_0.npy"], ["golden/input_1_0.npy"]]
     v1, v2 = (rewrite(base, wd / f"npu-v{i}.hmod", version(str(i)), wd / "k.pem") for i in (1, 2))

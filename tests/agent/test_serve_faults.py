@@ -276,6 +276,33 @@ def test_telemetry_buffered_offline_is_bounded_counted_and_delivered_in_order(wd
         b.stop()
 
 
+@pytest.mark.parametrize("host,why", [("no-such-host.invalid", "no-such-host.invalid does not resolve"),
+                                      ("127.0.0.1", "no answer on that address")])
+def test_a_broker_out_of_reach_is_said_once_in_the_log_and_the_agent_serves_on(wd, bundle, keys, host, why):
+    """A broker name the board cannot resolve (the emulated bookworm image has no /etc/hosts, so
+    "localhost" did not resolve there and its agent said nothing for 20 minutes) or a port nobody
+    listens on: the agent says so at once, once (not once per retry), and serves its model on."""
+    from support.mosquitto import free_port
+
+    dev = f"far-{host.split('.')[0]}"
+    cfg = write_config(wd / f"{dev}.toml", device_id=dev, bundle=str(bundle), trusted_keys=[str(keys["public"])],
+                       delegate="onnxruntime", broker={"host": host, "port": free_port(), "reconnect_min_s": 0.2,
+                                                       "reconnect_max_s": 0.5},
+                       camera={"source": "synthetic:64x48@20"})
+    proc = AgentProcess(["serve", "--config", str(cfg)], wd / f"{dev}.log")
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while "cannot reach the broker" not in proc.output() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(3.0)       # several retries at 0.2-0.5 s
+        said = [ln for ln in proc.output().splitlines() if "cannot reach the broker" in ln]
+        assert len(said) == 1, proc.output()[-2000:]
+        assert f"cannot reach the broker at {host}:" in said[0] and why in said[0] and "retrying" in said[0]
+        assert "running" in proc.output() and proc.proc.poll() is None
+    finally:
+        assert proc.stop() == 0
+
+
 # --- 4. the camera's source vanishes mid-stream and comes back --------------------------------------
 
 def _frames(n: int) -> list[np.ndarray]:

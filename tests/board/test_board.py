@@ -585,3 +585,57 @@ def test_an_npu_bundle_runs_its_onnx_rendering_on_a_board_without_the_npu_runtim
     assert report["npu"] == f"unavailable ({sg['npu_unavailable']})"
     assert_matches(outs, reference(bundle), "npu_conv")
     print(f"npu fallback on {board.describe}: rknnlite {'installed' if lite else 'absent'}: {sg['npu_unavailable']}")
+
+
+def test_an_int8_npu_bundle_deployed_over_mqtt_commits_on_the_board_through_its_fallback(board, tmp_path):
+    """The agent service on the board (no librknnrt.so, no NPU), a real mosquitto on the host: an
+    INT8 NPU bundle (golden pairs: stored held-out frames) deployed with the fleet's rollout commits
+    through the health gate on the rknn order's ONNX rendering, and the retained status names the
+    NPU as unavailable and why."""
+    if not isinstance(board, EmulatedBoard):
+        pytest.skip("the broker runs on this host: the emulated boards share its network")
+    from support.agents import acks, deploy, running_sha, seed_slots, write_config
+    from support.bundle_edit import rewrite, sha, version
+    from support.mosquitto import Broker, Recorder
+    from support.npu import npu_cnn, npu_frames
+    from tandoor_compiler.pipeline import compile_model
+
+    hmod.generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub.pem")
+    base = tmp_path / "npu.hmod"
+    compile_model(npu_cnn(tmp_path / "npu_cls.onnx"), base, targets=["rk3588"], npu=True, npu_dtype="int8",
+                  npu_samples=npu_frames(), measure="off", key=tmp_path / "k.pem")
+    v1, v2 = (rewrite(base, tmp_path / f"v{i}.hmod", version(str(i)), tmp_path / "k.pem") for i in (1, 2))
+    remote = board.mkdir()                       # /work/d-...: the board's view of `here`
+    here = board.share / Path(remote).name
+    shutil.copy2(tmp_path / "k.pub.pem", here / "k.pub.pem")
+    seed_slots(here / "slots", v1, tmp_path / "k.pub.pem")
+    lite = board.run([f"{board.venv}/bin/python", "-c", "import rknnlite.api"], timeout=600).returncode == 0
+    want = "librknnrt.so not found" if lite else "rknn-toolkit-lite2 not importable"
+    broker = Broker(tmp_path / "broker").start()
+    write_config(here / "n1.toml", device_id="b1", slot_dir=f"{remote}/slots", trusted_keys=[f"{remote}/k.pub.pem"],
+                 delegate="auto", telemetry_period_s=1.0, results_max_rate_hz=5.0,
+                 broker={"host": "127.0.0.1", "port": broker.port, "reconnect_min_s": 0.5, "reconnect_max_s": 2.0},
+                 camera={"source": "synthetic:64x48@5"})      # the bookworm image has no /etc/hosts
+    rec = Recorder(broker.port, "tandoor/#").start()
+    log = open(tmp_path / "agent.log", "wb")
+    agent = subprocess.Popen(board.command([f"{board.venv}/bin/tandoor-agent", "--config", f"{remote}/n1.toml"]),
+                             stdout=log, stderr=subprocess.STDOUT)
+    try:
+        st = running_sha(rec, "b1", sha(v1), 600)
+        assert st["npu"].startswith(f"unavailable ({want}"), st
+        res = deploy(broker.port, v2, ["b1"], job_id="npu-board", timeout=600)
+        assert res["devices"]["b1"]["state"] == "committed", (res, (tmp_path / "agent.log").read_text()[-3000:])
+        assert "health gate passed" in res["devices"]["b1"]["reason"]
+        st = running_sha(rec, "b1", sha(v2), 120)
+        assert st["npu"].startswith(f"unavailable ({want}") and [e["executor"] for e in st["executors"]] == ["onnxruntime"]
+        assert "committed" in [a["state"] for a in acks(rec, "b1", "npu-board")]
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(60)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait(10)
+        log.close()
+        rec.stop()
+        broker.stop()
