@@ -105,6 +105,11 @@ class Api:
     # PicoDet's neck, PP-OCRv4 det's FPN; 3x3 or stride 1 measured right; each layer alone is
     # right): every depthwise whose input has another reader reads a copy of its own
     depthwise_own_input: bool = False
+    # Arm NN 20.08 on CpuAcc computes a per-channel depthwise wrongly when it reads what another
+    # layer of the network wrote (EfficientNet-Lite0's 1x1 conv -> 3x3 s2 depthwise: 75% of the
+    # elements more than a step off, each layer alone within a step); a copy of its own (as above)
+    # measured right: every per-channel depthwise reads one
+    per_axis_depthwise_copy: bool = False
     # Arm NN 23.08 on CpuAcc computes wrongly after a channel concat whose inputs it writes in place
     # into the concat's output (sub-tensors; YOLOX from its first concat on, 88% wrong): a second
     # reader of one input (a scratch network output) makes it concatenate by copying instead
@@ -117,7 +122,7 @@ class Api:
 
 APIS: dict[str, Api] = {
     "22": Api("20.08", weights_as_inputs=False, depthwise_kernel="MCHW", constant_infos=False, hardswish=11,
-              depthwise_own_input=True),
+              depthwise_own_input=True, per_axis_depthwise_copy=True),
     "33": Api("23.08", weights_as_inputs=True, depthwise_kernel="1HWO", constant_infos=True, hardswish=11,
               transpose_layer=True, concat_by_copy=True),
 }
@@ -811,7 +816,8 @@ class ArmnnExecutor:
         q = self._quant_op(where, typ, op, attrs, wts)
         extra = {} if q is None else {"q": q}   # only the QUANT_OPS handlers take one
         if (typ == "conv2d" and attrs.get("depthwise") and self._api.depthwise_own_input and ins
-                and self._readers[str(op["inputs"][0])] > 1):
+                and (self._readers[str(op["inputs"][0])] > 1 or (
+                    q is not None and q.kernel.per_axis is not None and self._api.per_axis_depthwise_copy))):
             ins[0] = self._copy(f"{k}:copy", ins[0], in_shapes[0], None if q is None else q.x)
         if typ == "concat" and self._api.concat_by_copy and len(ins) > 1:
             # Arm NN writes a concat's inputs in place only when each has no other reader
