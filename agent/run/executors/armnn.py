@@ -708,6 +708,9 @@ class ArmnnExecutor:
         """A fresh TensorInfo of the ``tflite`` member's tensor ``name`` (per-axis scales that only
         Arm NN's TfLite parser can make), parsed once per order."""
         ann = self._ann
+        if self._parser is None and not hasattr(ann, "ITfLiteParser"):
+            raise UnsupportedOrder("this pyarmnn has no TfLite parser, which per-channel kernels need for their "
+                                   f"per-axis scales; install libarmnntfliteparser{_abi()}")
         if self._parser is None:
             fd, path = tempfile.mkstemp(prefix="tandoor-armnn-", suffix=".tflite")
             try:
