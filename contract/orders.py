@@ -185,6 +185,12 @@ class Quant:
     def per_tensor(self) -> bool:
         return self.axis is None
 
+    @property
+    def varies(self) -> bool:
+        """Scales or zero points that differ along the axis (per-axis ones all equal are one per
+        tensor: the same reals)."""
+        return len(set(self.scale)) > 1 or len(set(self.zero_point)) > 1
+
     def as_dict(self) -> dict:
         d: dict[str, Any] = {"scale": [float32_text(s) for s in self.scale],
                              "zero_point": [int(z) for z in self.zero_point]}
@@ -226,6 +232,15 @@ def quant_of(spec: Mapping, what: str = "tensor") -> Quant | None:
     elif len(scale) != 1:
         raise ValueError(f"{what}: {len(scale)} scales without an axis")
     return Quant(tuple(float(x) for x in scale), tuple(int(z) for z in zp), axis)
+
+
+# The partition's ``tflite`` member (docs/bundle-format.md): an order's per-axis quantization as a
+# TFLite model of tensors alone (no ops, no data), for Arm NN's TfLite parser, the one pyarmnn
+# interface that makes per-axis TensorInfos. Each weight whose quant varies along its axis is a
+# tensor of its own name, shape, dtype and quant (quantized_dimension = axis); a depthwise kernel
+# is also one in TFLite's depthwise layout [1, KH, KW, C*M] (quantized_dimension 3) under its name
+# + TFLITE_1HWO; a bias's scales are the float32 products input scale x kernel scale.
+TFLITE_1HWO = ":1HWO"
 
 
 def is_quantized(order: Mapping) -> bool:

@@ -12,7 +12,7 @@ fixed point, so there one step is allowed anywhere and 95% of the elements must 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -32,6 +32,7 @@ X_SHAPE = (1, 8, 8, 4)
 SX = 0.05                       # input scale; zero points per dtype below
 ZX = {"int8": -3, "uint8": 131}
 SW = 0.004                      # kernel scale (per tensor)
+KSPREAD = (0.25, 2.0)           # per-channel kernel scales: SW times these ends, spread over the channels
 
 
 # --- building quantized orders ----------------------------------------------------------------
@@ -149,6 +150,7 @@ class Case:
     mult: int = 1                # depthwise channel multiplier
     pad: tuple[int, int, int, int] = (1, 1, 1, 1)   # top, left, bottom, right
     x_shape: tuple[int, ...] = X_SHAPE
+    per_channel: bool = False    # a kernel scale per output channel (KSPREAD), else SW for all
 
     def __str__(self) -> str:
         parts = [self.op, self.dtype, f"s{self.stride}", self.act or "linear", self.ref]
@@ -156,6 +158,7 @@ class Case:
         parts += [f"m{self.mult}"] if self.mult != 1 else []
         parts += [f"pad{''.join(map(str, self.pad))}"] if self.pad != (1, 1, 1, 1) and self.op != "dense" else []
         parts += ["x" + "x".join(map(str, self.x_shape))] if self.x_shape != X_SHAPE else []
+        parts += ["perchannel"] if self.per_channel else []
         return "-".join(parts)
 
 
@@ -189,42 +192,50 @@ def build(case: Case, kernel_quant: dict | None = None, bias_quant: dict | None 
     rng = np.random.default_rng(list(str(case).encode()))   # each case its own data, whatever runs first
     x = codes(dt, case.x_shape, rng)
     xf = (x.astype(np.float32) - ZX[dt]) * np.float32(SX)
-    sb = float(np.float32(SX) * np.float32(SW))
     o = QOrder()
     o.input("x", qspec(x.shape, dt, SX, ZX[dt]))
-    inits = {"xs": np.array(SX, np.float32), "xz": np.array(ZX[dt], dt), "ws": np.array(SW, np.float32),
-             "wz": np.array(0, np.int8), "bs": np.array(sb, np.float32)}
     if case.op == "dense":
         rows, k = (x.shape[0], int(np.prod(x.shape[1:])))
         n = 32 if rows > 1 else 256   # a few hundred outputs either way
         kernel = rng.integers(-127, 128, (n, k)).astype(np.int8)
-        b_q = np.round(rng.standard_normal(n) * 0.5 / sb).astype(np.int32) if case.bias else np.zeros(n, np.int32)
-        acc = xf.reshape(rows, k) @ (kernel.astype(np.float32) * np.float32(SW)).T + b_q * np.float32(sb)
+    elif case.op == "depthwise":
+        kernel = rng.integers(-127, 128, (x.shape[3] * case.mult, 3, 3, 1)).astype(np.int8)
+    else:
+        kernel = rng.integers(-127, 128, (16, 3, 3, x.shape[3])).astype(np.int8)
+    oc = kernel.shape[0]
+    # kernel scales per output channel (float32, as every reader keeps them) and the bias's, x's times them
+    ks = (SW * np.linspace(*KSPREAD, oc) if case.per_channel else np.full(oc, SW)).astype(np.float32)
+    sb = np.float32(SX) * ks
+    b_q = np.round(rng.standard_normal(oc) * 0.5 / sb).astype(np.int32) if case.bias else np.zeros(oc, np.int32)
+    kf = kernel.astype(np.float32) * ks.reshape(-1, *[1] * (kernel.ndim - 1))
+    if case.op == "dense":
+        acc = xf.reshape(rows, k) @ kf.T + b_q * sb
         out_shape = (rows, n)
     else:
         cin = x.shape[3]
-        if case.op == "depthwise":
-            kernel = rng.integers(-127, 128, (cin * case.mult, 3, 3, 1)).astype(np.int8)
-            groups = cin
-        else:
-            kernel = rng.integers(-127, 128, (16, 3, 3, cin)).astype(np.int8)
-            groups = 1
-        oc = kernel.shape[0]
-        b_q = np.round(rng.standard_normal(oc) * 0.5 / sb).astype(np.int32) if case.bias else np.zeros(oc, np.int32)
+        groups = cin if case.op == "depthwise" else 1
         conv_attrs = dict(strides=[case.stride] * 2, pads=list(case.pad), group=groups, kernel_shape=[3, 3])
         float_conv = onnx_model([helper.make_node("Conv", ["x", "w", "b"], ["y"], **conv_attrs)],
                                 {"x": ("float32", [1, cin, x.shape[1], x.shape[2]])}, {"y": "float32"},
-                                {"w": kernel.transpose(0, 3, 1, 2).astype(np.float32) * np.float32(SW),
-                                 "b": b_q.astype(np.float32) * np.float32(sb)})
+                                {"w": kf.transpose(0, 3, 1, 2), "b": b_q.astype(np.float32) * sb})
         acc = nhwc(ort_run(float_conv, {"x": nchw(xf)})[0])
         out_shape = acc.shape
     sy, zy = _out_quant(acc, dt)
     act = _act(case, acc)
-    inits.update(ys=np.array(sy, np.float32), yz=np.array(zy, dt), w=kernel, b=b_q)
-    kq = kernel_quant or {"scale": [SW], "zero_point": [0]}
+    # per channel: 1-D scales and zero points on axis 0 (OIHW, [N, K]); per tensor: scalars
+    one = lambda a: a if case.per_channel else a[:1].reshape(())   # noqa: E731
+    inits = {"xs": np.array(SX, np.float32), "xz": np.array(ZX[dt], dt), "ws": one(ks),
+             "wz": one(np.zeros(oc, np.int8)), "bs": one(sb),
+             "ys": np.array(sy, np.float32), "yz": np.array(zy, dt), "w": kernel, "b": b_q}
+    per = {"axis": 0} if case.per_channel else {}
+    kq = kernel_quant or {"scale": ks.tolist() if per else [SW], "zero_point": [0] * len(one(ks).reshape(-1)), **per}
     wts = {"kernel": o.weight("k", kernel, {"quant": kq})}
     if case.bias:
-        wts["bias"] = o.weight("b", b_q, {"quant": bias_quant or {"scale": [sb], "zero_point": [0]}})
+        bq = bias_quant or {"scale": sb.tolist() if per else [float(sb[0])], "zero_point": [0] * len(one(sb).reshape(-1)),
+                            **per}
+        wts["bias"] = o.weight("b", b_q, {"quant": bq})
+    deq_w = [helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"], axis=0),
+             helper.make_node("DequantizeLinear", ["b", "bs"], ["bf"], axis=0)]
 
     nhwc_model = None
     if case.op == "dense":
@@ -236,9 +247,7 @@ def build(case: Case, kernel_quant: dict | None = None, bias_quant: dict | None 
             inits["wt"] = np.ascontiguousarray(kernel.T)
             nodes = [helper.make_node("QLinearMatMul", ["x", "xs", "xz", "wt", "ws", "wz", "ys", "yz"], ["y"])]
         else:
-            nodes = [helper.make_node("DequantizeLinear", ["x", "xs", "xz"], ["xf"]),
-                     helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"]),
-                     helper.make_node("DequantizeLinear", ["b", "bs"], ["bf"]),
+            nodes = [helper.make_node("DequantizeLinear", ["x", "xs", "xz"], ["xf"]), *deq_w,
                      helper.make_node("Gemm", ["xf", "wf", "bf"], ["c"], transB=1),
                      *act_nodes(act, "c", "a", inits),
                      helper.make_node("QuantizeLinear", ["a", "ys", "yz"], ["y"])]
@@ -260,9 +269,7 @@ def build(case: Case, kernel_quant: dict | None = None, bias_quant: dict | None 
                  helper.make_node("Transpose", ["yc"], ["y"], perm=[0, 2, 3, 1])],
                 {"x": (dt, list(x.shape))}, {"y": dt}, inits)
         else:
-            core = [helper.make_node("DequantizeLinear", ["x", "xs", "xz"], ["xf"]),
-                    helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"]),
-                    helper.make_node("DequantizeLinear", ["b", "bs"], ["bf"]),
+            core = [helper.make_node("DequantizeLinear", ["x", "xs", "xz"], ["xf"]), *deq_w,
                     helper.make_node("Conv", ["xf", "wf", "bf"], ["c"], **conv_attrs),
                     *act_nodes(act, "c", "a", inits),
                     helper.make_node("QuantizeLinear", ["a", "ys", "yz"], ["y"])]
@@ -368,22 +375,70 @@ def test_a_depthwise_sharing_its_quantized_input_reads_a_quantized_copy():
 
 # --- what the Arm NN executor refuses -----------------------------------------------------------
 
+# every case again with a kernel scale per output channel (QLinearMatMul has no per-column scales)
+PER_CHANNEL = [replace(c, per_channel=True) for c in CASES if not (c.op == "dense" and c.ref == "qlinear")]
+
+
 @needs_armnn
-def test_per_axis_kernel_is_refused_in_one_line():
+@pytest.mark.parametrize("case", PER_CHANNEL, ids=str)
+def test_per_channel_op_on_armnn_agrees_with_onnxruntime(case):
+    """Per-axis kernel and bias scales reach Arm NN through the bundle's tflite member (the
+    TensorInfos its TfLite parser makes), conv, depthwise and dense (built as a 1x1 convolution)."""
+    from tandoor_compiler import order_tflite
+
+    b = build(case)
+    lo, hi = QRANGE[case.dtype]
+    assert np.mean((b.want == lo) | (b.want == hi)) < 0.03 and len(np.unique(b.want)) > 40
+    member = order_tflite.quant_model(b.order)
+    oc = b.order["weights"]["k"]["shape"][0]
+    assert member is not None and len(member) < 40 * oc + 1024   # scales and zero points only: no weight data
+    with ax.ArmnnExecutor(b.order, b.blob, tflite=member) as ex:
+        got = ex.run([b.x])[0]
+        kinds = {t for _, t, _ in ex.layer_backends}
+        copies = [n for n, _, _ in ex.layer_backends if n == "0:copy"]
+    assert "FullyConnected" not in kinds   # a per-channel dense is a convolution
+    assert len(copies) == int(case.op == "depthwise" and ax.api().per_axis_depthwise_copy)   # 20.08's work-around
+    worst, exact = agreement(got, b.want)
+    print(f"\n{case} on {ex.backend}: {exact:.2%} of {got.size} exact, at most {worst} step(s)")
+    if ex.backend == "CpuRef":   # measured, as per tensor: every element equal
+        assert (worst, exact) == (0, 1.0)
+    else:
+        assert worst <= 1
+        assert exact >= 0.95
+
+
+@needs_armnn
+def test_per_axis_kernel_without_the_tflite_member_is_refused_in_one_line():
     import pyarmnn as ann
 
     # the premise: neither binding's TensorInfo takes several scales
     assert not hasattr(ann.TensorInfo, "SetQuantizationScales")
-    scales = (SW * (1 + 0.1 * np.arange(16))).tolist()
-    sb = [float(np.float32(SX) * np.float32(s)) for s in scales]
-    b = build(Case("conv", "int8", 1, "relu"), {"scale": scales, "zero_point": [0] * 16, "axis": 0},
-              {"scale": sb, "zero_point": [0] * 16, "axis": 0})
+    b = build(Case("conv", "int8", 1, "relu", per_channel=True))
     with pytest.raises(ax.UnsupportedOrder) as e:
         ax.ArmnnExecutor(b.order, b.blob)
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("op 0 (conv2d -> 'y'): the kernel has per-axis quantization (16 scales on axis 0)")
-    assert "SetQuantizationScales" in msg and "onnxruntime" in msg
+    assert "no tflite member" in msg and "onnxruntime" in msg
+
+
+@needs_armnn
+def test_a_tflite_member_that_does_not_fit_the_order_is_refused_in_one_line():
+    from tandoor_compiler import order_tflite
+
+    b = build(Case("depthwise", "int8", 1, None, per_channel=True))
+    conv = build(Case("conv", "int8", 1, None, per_channel=True))
+    renamed = json_copy(b.order)
+    renamed["weights"]["k2"] = renamed["weights"].pop("k")
+    renamed["ops"][0]["weights"]["kernel"] = "k2"
+    member = order_tflite.quant_model(b.order)
+    for order, tflite, why in ((b.order, b"not a flatbuffer", "TfLite parser cannot read the order's per-axis"),
+                               (b.order, member[: len(member) // 2], "TfLite parser cannot read"),
+                               (b.order, order_tflite.quant_model(conv.order), "tensor 'k' has 576 elements, the order's 36|has no tensor 'k:1HWO'"),
+                               (renamed, member, "has no tensor 'k2")):
+        with pytest.raises(ax.UnsupportedOrder, match=why) as e:
+            ax.ArmnnExecutor(order, b.blob, tflite=tflite)
+        assert "\n" not in str(e.value)
 
 
 @needs_armnn

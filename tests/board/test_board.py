@@ -525,19 +525,27 @@ def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_d
     assert not problems, "\n".join(problems)
 
 
-def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bundles_dir, tmp_path):
-    """A QDQ model with per-tensor int8 weights (what pyarmnn can express): its quantized orders
-    (order_version 2) run on Arm NN with every layer on CpuAcc (ACL's int8 kernels), and the output
-    is within the manifest's tolerance, in quantization steps of the output, of onnxruntime's run of
-    the QDQ model on the host."""
-    from support.qdq import quantized_small_cnn
+@pytest.mark.parametrize("weights", ["per-tensor", "per-channel"])
+def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bundles_dir, tmp_path, weights):
+    """A QDQ model with int8 weights, per tensor or per output channel (the per-axis scales from the
+    bundle's tflite member, through Arm NN's TfLite parser): its quantized orders (order_version 2)
+    run on Arm NN with every layer on CpuAcc (ACL's int8 kernels), and the output is within the
+    manifest's tolerance, in quantization steps of the output, of onnxruntime's run of the QDQ model
+    on the host. Per channel the model is an inverted residual block's convolutions in one order,
+    whose depthwise reads a convolution's output: 20.08 computed that wrongly (95% of the elements
+    off, caught by the load-time check) until the depthwise read a copy (Api.per_axis_depthwise_copy)."""
+    from support.qdq import mbconv_cnn, quantized_small_cnn
 
-    _, q = quantized_small_cnn(tmp_path, per_channel=False, activations="int8")
-    bundle = compiled("small_int8", q, bundles_dir, "--policy", "all")
+    per_channel = weights == "per-channel"
+    _, q = quantized_small_cnn(tmp_path, per_channel=per_channel, activations="int8",
+                               model=mbconv_cnn() if per_channel else None)
+    bundle = compiled(f"{'mbconv' if per_channel else 'small'}_int8_{weights.replace('-', '_')}", q, bundles_dir,
+                      "--policy", "all")
     with hmod.open_bundle(bundle) as b:
-        quantized = {p["symbol"] for p in b.manifest["partitions"]
+        quantized = {p["symbol"]: p.get("tflite") for p in b.manifest["partitions"]
                      if p["delegate"] and b.order(p["symbol"])["order_version"] == 2}
     assert len(quantized) >= 2
+    assert all(quantized.values()) if weights == "per-channel" else not any(quantized.values())
     report, outs, secs = run_on_board(board, bundle, tmp_path, "--delegate", "armnn")
     for sg in report["subgraphs"]:
         if sg["symbol"] in quantized:
@@ -549,8 +557,9 @@ def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bund
     # in whole steps: one step between two float32 dequantized outputs is the float64 step give or
     # take float32's rounding (1.0000007 steps was measured)
     assert diff / step <= atol / step + 1e-4, f"INT8 on CpuAcc is {diff / step:.1f} steps from onnxruntime's QDQ run (tolerance {atol / step:.0f})"
-    print(f"small CNN INT8 on armnn/CpuAcc ({board.describe}): {diff / step:.0f} step(s) from onnxruntime's QDQ "
-          f"run, tolerance {atol / step:.0f}; {secs:.1f} s")
+    print(f"{'mbconv' if per_channel else 'small'} CNN INT8 ({weights}) on armnn/CpuAcc ({board.describe}): "
+          f"{diff / step:.0f} step(s) from "
+          f"onnxruntime's QDQ run, tolerance {atol / step:.0f}; {secs:.1f} s")
 
 
 def test_an_npu_bundle_runs_its_onnx_rendering_on_a_board_without_the_npu_runtime(board, bundles_dir, tmp_path):

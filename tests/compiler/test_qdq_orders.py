@@ -67,6 +67,13 @@ def test_the_convs_and_the_dense_layer_become_int8_orders(qdq):
     assert all(b["dtype"] == "int32" for b in biases)
     per_axis = {orders.quant_of(k).axis is not None for k in kernels}
     assert per_axis == ({True} if weights == "per-channel" else {False})
+    # per channel: each such order's per-axis quantization for Arm NN's TfLite parser, scales only
+    with hmod.open_bundle(paths["hmod"]) as b:
+        members = {p["symbol"]: p.get("tflite") for p in b.manifest["partitions"] if p["delegate"]}
+        want = {o["symbol"]: f"orders/{o['symbol']}.tflite" if weights == "per-channel" else None for o in qorders}
+        assert {s: m for s, m in members.items() if s in want} == want
+        assert all(m is None for s, m in members.items() if s not in want)   # float orders have none
+        assert all(len(b.read(m)) < 4096 for m in want.values() if m)
     man = manifest_of(paths["hmod"])
     conv_flops = 2 * (16 * 16 * 16 * 27 + 16 * 16 * 16 * 9 + 16 * 16 * 16 * 16) + 2 * 16 * 10
     # the MACs, and the elementwise work riding along (bias, dequantize, quantize: one per element)
@@ -84,12 +91,15 @@ def test_the_convs_and_the_dense_layer_become_int8_orders(qdq):
 @pytest.mark.parametrize("delegate", ["onnxruntime", "armnn", "tvm"])
 def test_the_int8_bundle_matches_onnxruntimes_int8_run_on_each_executor(qdq, delegate):
     """verify against the QDQ model in onnxruntime within the manifest's tolerance (quantization
-    steps); Arm NN (CpuRef here) takes per-tensor weights only: a per-channel order is refused and
-    falls back, which verify's executor report says."""
+    steps); Arm NN (CpuRef here) runs per-tensor and per-channel orders alike (the latter's per-axis
+    scales from the bundle's tflite member), which verify's executor report says."""
     weights, acts, paths = qdq
     res = run_cli("tandoor", "verify", str(paths["hmod"]), "--reference", str(paths["qdq"]), "--delegate", delegate,
                   "--json", env={"TANDOOR_ARMNN_CHECK": "all"})
     rep = json.loads(res.stdout)
     assert res.returncode == 0 and rep["ok"] and rep["max_abs_err"] <= rep["atol"], res.stdout + res.stderr
+    quantized = {o["symbol"] for o in _quantized_orders(paths["hmod"])}
+    ran = {sg["symbol"]: sg["executor"] for sg in rep["subgraphs"] if sg["symbol"] in quantized}
+    assert ran == {s: delegate for s in quantized}, rep["subgraphs"]
     step = manifest_of(paths["hmod"])["quantized"]["steps"]["logits"]
     assert rep["atol"] <= 5 * step

@@ -34,10 +34,22 @@ on CpuRef, and by tests/board on CpuAcc with both APIs):
   the *activation's* type (int8 codes as QAsymmS8 offset 0; uint8 activations: codes + 128 as
   QAsymmU8 offset 128, the same reals), as Arm NN's TfLite parser does: ACL's convolution,
   depthwise and fully connected kernels take per-tensor weights only of the input's type (or
-  per-channel QSymmS8), so a per-tensor QSymmS8 kernel would leave the layer to CpuRef. Neither
-  binding's TensorInfo can hold per-axis scales (no SetQuantizationScales): such orders are
-  refused. A fused relu/clip is an ActivationLayer on the output's quantization (equal to
-  requantizing the activated accumulator within a step).
+  per-channel QSymmS8), so a per-tensor QSymmS8 kernel would leave the layer to CpuRef. A fused
+  relu/clip is an ActivationLayer on the output's quantization (equal to requantizing the
+  activated accumulator within a step).
+* Per-channel kernels (a quant that varies along axis 0) are QSymmS8 with per-axis scales, the
+  bias Signed32 with per-axis scales, for int8 and uint8 activations alike. Neither binding's
+  TensorInfo has a per-axis setter (no SetQuantizationScales), but both TfLite parsers make such
+  TensorInfos from a TFLite tensor's quantization: the bundle's ``tflite`` member
+  (compiler/order_tflite.py) holds each per-axis weight as a tensor, and the builder takes its
+  TensorInfo from ITfLiteParser.GetNetworkInputBindingInfo (only CreateNetworkFromBinaryFile
+  exists in either binding: the member goes through a temporary file), with Arm NN's shape. The
+  quantized dimension must be Arm NN's: 20.08 refuses a depthwise kernel's unless it is 0 (its
+  [M, C, KH, KW]), 23.08's CpuRef reads [1, KH, KW, C*M] scales along dim 3 (measured wrong along
+  0), hence the member's second, 1HWO tensor per depthwise kernel. ACL's fully connected takes no
+  per-channel weights (23.08: no backend for the layer; 20.08's CpuRef aborts the process on an
+  assertion asking), so a per-channel dense is built as the same kernel's 1x1 convolution. Never
+  call GetQuantizationScale on a per-axis TensorInfo: Debian's libarmnn asserts, and aborts.
 """
 
 from __future__ import annotations
@@ -93,6 +105,11 @@ class Api:
     # PicoDet's neck, PP-OCRv4 det's FPN; 3x3 or stride 1 measured right; each layer alone is
     # right): every depthwise whose input has another reader reads a copy of its own
     depthwise_own_input: bool = False
+    # Arm NN 20.08 on CpuAcc computes a per-channel depthwise wrongly when it reads what another
+    # layer of the network wrote (EfficientNet-Lite0's 1x1 conv -> 3x3 s2 depthwise: 75% of the
+    # elements more than a step off, each layer alone within a step); a copy of its own (as above)
+    # measured right: every per-channel depthwise reads one
+    per_axis_depthwise_copy: bool = False
     # Arm NN 23.08 on CpuAcc computes wrongly after a channel concat whose inputs it writes in place
     # into the concat's output (sub-tensors; YOLOX from its first concat on, 88% wrong): a second
     # reader of one input (a scratch network output) makes it concatenate by copying instead
@@ -105,7 +122,7 @@ class Api:
 
 APIS: dict[str, Api] = {
     "22": Api("20.08", weights_as_inputs=False, depthwise_kernel="MCHW", constant_infos=False, hardswish=11,
-              depthwise_own_input=True),
+              depthwise_own_input=True, per_axis_depthwise_copy=True),
     "33": Api("23.08", weights_as_inputs=True, depthwise_kernel="1HWO", constant_infos=True, hardswish=11,
               transpose_layer=True, concat_by_copy=True),
 }
@@ -162,6 +179,9 @@ class QType:
     armnn: str
     scale: float
     offset: int
+    # per-axis: the tensor of the order's ``tflite`` member whose TensorInfo this is (scale and
+    # offset unused)
+    per_axis: str | None = None
 
     @property
     def np_dtype(self) -> type:
@@ -356,9 +376,9 @@ def _quant(spec: Mapping, what: str) -> orders.Quant | None:
 def _per_tensor(q: orders.Quant, what: str, fix: str) -> tuple[float, int]:
     """(scale, zero point) of a quant that is one per tensor (a per-axis one whose scales and zero
     points are all equal is one too: the same reals); else UnsupportedOrder."""
-    if len(set(q.scale)) > 1 or len(set(q.zero_point)) > 1:
+    if q.varies:
         raise UnsupportedOrder(f"{what} has per-axis quantization ({len(q.scale)} scales on axis {q.axis}), which "
-                               f"pyarmnn's TensorInfo cannot hold (no SetQuantizationScales in 20.08 or 23.08): {fix}")
+                               f"Arm NN takes for a kernel and its bias only: {fix}")
     return q.scale[0], q.zero_point[0]
 
 
@@ -482,7 +502,8 @@ class ArmnnExecutor:
     """
 
     def __init__(self, order: Mapping[str, Any], weights: bytes | bytearray | memoryview,
-                 preferred: Sequence[str] | str = DEFAULT_PREFERRED):
+                 preferred: Sequence[str] | str = DEFAULT_PREFERRED, tflite: bytes | None = None):
+        """``tflite``: the partition's ``tflite`` member (per-axis quantization; module doc)."""
         try:
             self._ann = ann = _pyarmnn()
         except ImportError as e:
@@ -504,6 +525,8 @@ class ArmnnExecutor:
         self._readers.update(str(o.get("name")) for o in order.get("outputs") or [])
         self._scratch_ids: list[int] = []   # extra network outputs only Arm NN writes (Api.concat_by_copy)
         self._scratch: list[tuple[int, Any]] = []
+        self._tflite = tflite
+        self._parser: Any = None    # the TfLite parser holding the member's per-axis TensorInfos
 
         tensors = order.get("tensors")
         if not isinstance(tensors, Mapping):
@@ -570,7 +593,7 @@ class ArmnnExecutor:
         # The runtime owns a deep copy of the optimised graph (weights included) from here on;
         # the INetwork and its weight copies are no longer needed. The numpy arrays behind the
         # ConstTensors (mostly views of the caller's blob) are kept, as pyarmnn's docs ask.
-        self._net = None
+        self._net = self._parser = None
         if load_msgs:
             self.messages.append(str(load_msgs))
         compute = [b for _, t, b in self.layer_backends if t not in ("Input", "Output")]
@@ -669,10 +692,43 @@ class ArmnnExecutor:
         ann = self._ann
         if q is None:
             return ann.TensorInfo(ann.TensorShape(tuple(int(d) for d in shape)), ann.DataType_Float32)
+        if q.per_axis is not None:
+            info = self._per_axis_info(q.per_axis)
+            if info.GetNumElements() != math.prod(shape):   # (its scales cannot be read: module doc)
+                raise UnsupportedOrder(f"the bundle's tflite member's tensor {q.per_axis!r} has "
+                                       f"{info.GetNumElements()} elements, the order's {math.prod(shape)}")
+            info.SetShape(ann.TensorShape(tuple(int(d) for d in shape)))
+            return info
         info = ann.TensorInfo(ann.TensorShape(tuple(int(d) for d in shape)), getattr(ann, f"DataType_{q.armnn}"))
         info.SetQuantizationScale(float(q.scale))
         info.SetQuantizationOffset(int(q.offset))
         return info
+
+    def _per_axis_info(self, name: str):
+        """A fresh TensorInfo of the ``tflite`` member's tensor ``name`` (per-axis scales that only
+        Arm NN's TfLite parser can make), parsed once per order."""
+        ann = self._ann
+        if self._parser is None and not hasattr(ann, "ITfLiteParser"):
+            raise UnsupportedOrder("this pyarmnn has no TfLite parser, which per-channel kernels need for their "
+                                   f"per-axis scales; install libarmnntfliteparser{_abi()}")
+        if self._parser is None:
+            fd, path = tempfile.mkstemp(prefix="tandoor-armnn-", suffix=".tflite")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(self._tflite or b"")
+                parser = ann.ITfLiteParser()
+                net = parser.CreateNetworkFromBinaryFile(path)   # (read whole: the file can go)
+            except Exception as e:
+                raise UnsupportedOrder(f"Arm NN's TfLite parser cannot read the order's per-axis quantization "
+                                       f"(the bundle's tflite member): {' '.join(str(e).split())[:300]}") from None
+            finally:
+                os.unlink(path)
+            self._parser = (parser, net)
+        try:
+            return self._parser[0].GetNetworkInputBindingInfo(0, name)[1]
+        except Exception:
+            raise UnsupportedOrder(f"the bundle's tflite member has no tensor {name!r}; the order's per-axis "
+                                   "quantization is not all there") from None
 
     @staticmethod
     def _tensor_qtype(spec: Mapping, what: str) -> QType | None:
@@ -763,7 +819,8 @@ class ArmnnExecutor:
         q = self._quant_op(where, typ, op, attrs, wts)
         extra = {} if q is None else {"q": q}   # only the QUANT_OPS handlers take one
         if (typ == "conv2d" and attrs.get("depthwise") and self._api.depthwise_own_input and ins
-                and self._readers[str(op["inputs"][0])] > 1):
+                and (self._readers[str(op["inputs"][0])] > 1 or (
+                    q is not None and q.kernel.per_axis is not None and self._api.per_axis_depthwise_copy))):
             ins[0] = self._copy(f"{k}:copy", ins[0], in_shapes[0], None if q is None else q.x)
         if typ == "concat" and self._api.concat_by_copy and len(ins) > 1:
             # Arm NN writes a concat's inputs in place only when each has no other reader
@@ -806,6 +863,8 @@ class ArmnnExecutor:
                                    "(the others have no quantized semantics in order_version 2)")
         fix = "quantize the kernel per tensor, or run this order on onnxruntime"
         kq = _quant(wspecs["kernel"], f"{where} kernel")
+        if kq.varies:
+            return self._per_axis_op(where, typ, op, attrs, wts, kq, x, y)
         sw, zw = _per_tensor(kq, f"{where}: the kernel", fix)
         if zw != 0:
             raise UnsupportedOrder(f"{where}: kernel zero point {zw}; order_version 2 kernels are symmetric (0)")
@@ -822,6 +881,39 @@ class ArmnnExecutor:
             # the float32 product Arm NN checks the bias scale against (within 1e-6)
             bias = QType("Signed32", float(np.float32(x.scale) * np.float32(sw)), 0)
         return QuantOp(x, y, kernel, bias, shift)
+
+    def _per_axis_op(self, where: str, typ: str, op: Mapping[str, Any], attrs: Mapping[str, Any],
+                     wts: Mapping[str, str], kq: orders.Quant, x: QType, y: QType) -> QuantOp:
+        """The types of a conv2d/dense whose kernel scales vary per output channel: QSymmS8 and
+        Signed32 per axis, their TensorInfos from the ``tflite`` member (module doc)."""
+        if self._tflite is None:
+            raise UnsupportedOrder(
+                f"{where}: the kernel has per-axis quantization ({len(kq.scale)} scales on axis {kq.axis}) and the "
+                "bundle has no tflite member to take its TensorInfo from (pyarmnn has no SetQuantizationScales; "
+                "compiled before tandoor wrote one): compile it again, or run this order on onnxruntime")
+        if kq.axis != 0 or any(kq.zero_point):
+            raise UnsupportedOrder(f"{where}: per-axis kernel on axis {kq.axis} with zero points "
+                                   f"{sorted(set(kq.zero_point))[:3]}; order_version 2 kernels are symmetric, "
+                                   "per output channel (axis 0)")
+        kname = str(wts["kernel"])
+        kshape = self._weights_table[kname].get("shape") or [0]
+        cin = self._shapes[str((op.get("inputs") or [""])[0])][-1]
+        groups = int(attrs.get("groups", 1))
+        depthwise = typ == "conv2d" and (bool(attrs.get("depthwise")) or (groups > 1 and groups == cin
+                                                                           and kshape[-1] == 1))
+        # Arm NN's depthwise layout decides which of the member's tensors has the quantized dim it reads
+        kernel = QType("QSymmS8", 0.0, 0, kname + (orders.TFLITE_1HWO if depthwise and
+                                                    self._api.depthwise_kernel == "1HWO" else ""))
+        bias = None
+        if wts.get("bias"):
+            bq = _quant(self._weights_table[str(wts["bias"])], f"{where} bias")
+            want = [x.scale * s for s in kq.scale]
+            if (bq.axis is None and len(kq.scale) > 1) or len(bq.scale) != len(want) or any(bq.zero_point) or any(
+                    abs(b - w) > 1e-5 * w for b, w in zip(bq.scale, want)):
+                raise UnsupportedOrder(f"{where}: bias scales / zero points are not input scale x kernel scales / 0 "
+                                       "per output channel; the order is malformed")
+            bias = QType("Signed32", 0.0, 0, str(wts["bias"]))
+        return QuantOp(x, y, kernel, bias, 0)
 
     def _tensor_dtype(self, name: str) -> str:
         return str(self._order_tensors[name].get("dtype"))
@@ -1052,6 +1144,20 @@ class ArmnnExecutor:
         if math.prod(out_shape) != rows * n:
             raise UnsupportedOrder(f"{where}: dense output {list(out_shape)} is not {rows} x {n}")
         xq, yq = (None, None) if q is None else (q.x, q.y)
+        if q is not None and q.kernel.per_axis is not None:
+            # ACL's fully connected takes no per-channel kernel (module doc): the same [N, K] bytes as an
+            # OHWI 1x1 convolution over [1, rows, 1, K]
+            slot = self._reshape(f"{name}:rows", slot, (1, rows, 1, kdim), xq)
+            d = ann.Convolution2dDescriptor()
+            d.m_DataLayout = ann.DataLayout_NHWC
+            d.m_StrideX = d.m_StrideY = 1
+            d.m_BiasEnabled = bias is not None
+            layer = self._weighted_layer(self._net.AddConvolution2dLayer, d, name, kernel.reshape(n, 1, 1, kdim),
+                                         bias, q)
+            slot.Connect(layer.GetInputSlot(0))
+            slot = self._set(layer, shape=(1, rows, 1, n), q=yq)
+            slot = self._activation(where, name, slot, (1, rows, 1, n), attrs.get("activation"), yq)
+            return self._reshape(f"{name}:unflatten", slot, out_shape, yq)
         if tuple(x_shape) != (rows, kdim):
             slot = self._reshape(f"{name}:flatten", slot, (rows, kdim), xq)
         d = ann.FullyConnectedDescriptor()
