@@ -167,6 +167,12 @@ def test_past_the_orders_tolerance_the_compile_is_refused_and_nothing_is_written
                                            r"input\(s\): output 0: cosine .*nothing was written"):
         compile_model(cnn(tmp_path), out, targets=["rk3588"], npu=True, npu_dtype="fp16", measure="off")
     assert not out.exists() and list(tmp_path.glob("*.hmod*")) == []
+    # with --max-drop the answers decide (the CLI judges them next): the order is kept, and said to be past
+    compile_model(cnn(tmp_path), out, targets=["rk3588"], npu=True, npu_dtype="fp16", measure="off", npu_judged=True)
+    [o] = manifest_of(out)["npu"]["orders"]
+    assert o["past"] and o["past"][0].startswith("output 0: cosine ")
+    said = " ".join(run_cli("tandoor", "inspect", str(out), check=True).stdout.split())
+    assert f"{o['symbol']} is past its own bound (output 0: cosine" in said and "judged with --max-drop" in said
 
 
 def test_without_the_toolkit_venv_npu_says_how_to_get_it_in_one_line(tmp_path, calib):
