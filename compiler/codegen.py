@@ -242,6 +242,33 @@ def _lift_constants(mod: tvm.IRModule):
     return mod, values
 
 
+def merge_fallbacks(mods: dict[str, tvm.IRModule]) -> tvm.IRModule:
+    """Every region's fallback module in one, its functions renamed for the region (``main`` ->
+    ``<symbol>``, ``main_transform_params`` -> ``<symbol>_transform_params``; others get the
+    symbol as a prefix): one library per target instead of one per subgraph, since each library
+    carries TVM's runtime glue (~65 KB) whatever its code (format_version 4)."""
+    out = tvm.IRModule({})
+    for symbol, mod in mods.items():
+        entry = hmod.fallback_function(hmod.FALLBACK_LIB_FORMAT_VERSION, symbol)
+        names = {gv: (entry + gv.name_hint[len("main"):] if gv.name_hint.startswith("main")
+                      else f"{symbol}__{gv.name_hint}") for gv, _ in mod.functions_items()}
+        new = {gv: tvm.ir.GlobalVar(n) for gv, n in names.items()}
+
+        @relax.expr_functor.mutator
+        class Rename(relax.PyExprMutator):
+            def visit_global_var_(self, gv):
+                return new.get(gv, gv)
+
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function):
+                raise CompileError(f"internal: fallback of {symbol}: {gv.name_hint} is not a relax function")
+            f = Rename().visit_expr(func)
+            if f.attrs is not None and "global_symbol" in f.attrs:
+                f = f.with_attr("global_symbol", names[gv])
+            out[new[gv]] = f
+    return out
+
+
 LINK_OPTIONS = ["-s"]
 
 

@@ -551,6 +551,7 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
     """The TVM side and every fallback, per target; libs become members."""
     lowered = codegen.lower_regions(plan.result.mod)
     provided = frozenset([p.symbol for p in plan.kept] + [g.symbol for g in plan.hatch if not g.tail])
+    merged = codegen.merge_fallbacks(fallbacks) if fallbacks else None
     target_entries = {}
     with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
         tmpd = Path(tmp)
@@ -560,13 +561,14 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
             codegen.build(lowered, t.llvm, lib, t.cross_cc, provided)
             members[f"lib/{t.name}.so"] = lib.read_bytes()
             entry = {"arch": t.arch, "lib": f"lib/{t.name}.so", "llvm": t.llvm, "fallback": {}}
-            for symbol, fb_mod in fallbacks.items():
-                say(f"compiling the TVM fallback of {symbol} for {t.name}")
-                fb = tmpd / f"{t.name}.{symbol}.so"
-                codegen.build(fb_mod, t.llvm, fb, t.cross_cc)
-                member = f"fallback/{t.name}/{symbol}.so"
+            if merged is not None:
+                # one library for every subgraph, a function each (hmod.fallback_function)
+                say(f"compiling the TVM fallbacks of {len(fallbacks)} subgraph(s) for {t.name}")
+                member = hmod.fallback_lib(t.name)
+                fb = tmpd / member.replace("/", "_")
+                codegen.build(merged, t.llvm, fb, t.cross_cc)
                 members[member] = fb.read_bytes()
-                entry["fallback"][symbol] = member
+                entry["fallback"] = {symbol: member for symbol in fallbacks}
             target_entries[t.name] = entry
     return target_entries
 

@@ -54,7 +54,8 @@ __all__ = [
     "BundleError", "NotABundle", "UnsafeMember", "HashMismatch", "MissingMember", "ExtraMember",
     "BadSignature", "UnsignedBundle", "FormatVersionError", "NoLibForArch", "KeyFileError",
     "Bundle", "open_bundle", "write_bundle", "generate_keypair", "load_private_key",
-    "load_public_key", "key_fingerprint", "machine_arch", "normalize_arch",
+    "load_public_key", "key_fingerprint", "machine_arch", "normalize_arch", "fallback_lib",
+    "fallback_function", "format_version_for",
 ]
 
 # 2: golden inputs may be generated (``{"inputs": "probe", "seed": k}``) instead of stored: a
@@ -66,13 +67,20 @@ __all__ = [
 # A bundle is written with the lowest version that describes it (3 only with a tail), so agents
 # that know 2 still run every other bundle, and refuse one with a tail instead of returning the VM's
 # outputs as the model's.
-FORMAT_VERSION = 3
-PLAIN_FORMAT_VERSION = 2   # a bundle without a tail
+# 4: one TVM fallback library per target for every delegated subgraph (``fallback/<target>.so``, a
+# function per subgraph: fallback_function), instead of one library per subgraph and target: each
+# carried ~65 KB of TVM's runtime glue whatever its code (a 51-subgraph classifier: 6.6 MB of its 7.5).
+# Order probes may be probe version 2 (generated indices). Written only for a bundle with fallbacks in
+# that layout (format_version_for), so every other bundle keeps the version older agents run.
+FORMAT_VERSION = 4
+FALLBACK_LIB_FORMAT_VERSION = 4
+TAIL_FORMAT_VERSION = 3
+PLAIN_FORMAT_VERSION = 2   # a bundle without a tail or one fallback library per target
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 SUFFIX = ".hmod"
 
-SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, FORMAT_VERSION})
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, TAIL_FORMAT_VERSION, FORMAT_VERSION})
 GENERATED = "probe"   # a golden pair's "inputs" when they are probe.inputs(manifest, seed)
 _RESERVED = frozenset({MANIFEST, SIGNATURE})
 _CHUNK = 1 << 20
@@ -157,6 +165,30 @@ def blob_array(blob: bytes, spec: Mapping[str, Any]) -> np.ndarray:
         raise ValueError(f"{nbytes} bytes at offset {off} do not hold {list(shape)} {spec['dtype']} "
                          f"inside a {len(blob)}-byte blob")
     return np.frombuffer(blob, dt, count, off).reshape(shape)
+
+
+def fallback_lib(target: str) -> str:
+    """The member holding every subgraph's TVM fallback for ``target`` (format_version 4)."""
+    return f"fallback/{target}.so"
+
+
+def format_version_for(manifest: Mapping[str, Any]) -> int:
+    """The oldest format that holds ``manifest``: 4 when a target's fallbacks are its one library
+    (fallback_lib), 3 with a tail, else 2, so agents that know only an older one still run it."""
+    targets = manifest.get("targets") if isinstance(manifest.get("targets"), Mapping) else {}
+    for name, t in targets.items():
+        fb = t.get("fallback") if isinstance(t, Mapping) else None
+        if isinstance(fb, Mapping) and fallback_lib(name) in fb.values():
+            return FALLBACK_LIB_FORMAT_VERSION
+    return TAIL_FORMAT_VERSION if manifest.get("tail") else PLAIN_FORMAT_VERSION
+
+
+def fallback_function(format_version: Any, symbol: str) -> str:
+    """The function of a subgraph's TVM fallback library that runs it (``<it>_transform_params``
+    turns its weights into what it takes): ``main`` of its own library before format_version 4,
+    ``<symbol>`` of the target's one library since."""
+    ok = isinstance(format_version, int) and format_version >= FALLBACK_LIB_FORMAT_VERSION
+    return symbol if ok else "main"
 
 
 def normalize_arch(arch: str) -> str:
@@ -417,7 +449,7 @@ def write_bundle(out_path: PathLike, manifest: Mapping[str, Any],
            else load_private_key(private_key))
 
     man = copy.deepcopy(dict(manifest))
-    man["format_version"] = FORMAT_VERSION if man.get("tail") else PLAIN_FORMAT_VERSION
+    man["format_version"] = format_version_for(man)
     # Temp file in the same directory, so os.replace is an atomic rename on one filesystem.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     tmp = Path(tmp_name)

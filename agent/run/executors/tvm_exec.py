@@ -21,19 +21,21 @@ from . import Unavailable
 class TvmExecutor:
     name = "tvm"
 
-    def __init__(self, order: dict, lib_path: Path, params: list[np.ndarray] | None = None) -> None:
+    def __init__(self, order: dict, lib_path: Path, params: list[np.ndarray] | None = None, *,
+                 entry: str = "main") -> None:
         """``params``: the weights the fallback was compiled without (manifest fallback_params),
-        turned once here into what ``main`` takes (``main_transform_params``: kernel layouts)."""
+        turned once here into what ``entry`` takes (``<entry>_transform_params``: kernel layouts).
+        ``entry``: the subgraph's function in the library (hmod.fallback_function)."""
         import tvm
         from tvm.runtime.vm import VirtualMachine  # not tvm.relax: the agent has TVM's runtime only
 
         self.dev = tvm.cpu()
         self.vm = VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
-        self._main = self.vm["main"]
+        self._main = self.vm[entry]
         self._params: list = []
         if params:
             raw = [tvm.runtime.tensor(np.ascontiguousarray(p), self.dev) for p in params]
-            self._params = list(self.vm["main_transform_params"](raw))
+            self._params = list(self.vm[f"{entry}_transform_params"](raw))
         # the order's input dtypes: what the fallback's main takes (int8 codes stay int8)
         self._in_dtypes = [np.dtype(str(i.get("dtype", "float32"))) for i in order["inputs"]]
         self.backend = "llvm"
