@@ -565,9 +565,9 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
                 # one library for every subgraph, a function each (hmod.fallback_function)
                 say(f"compiling the TVM fallbacks of {len(fallbacks)} subgraph(s) for {t.name}")
                 member = hmod.fallback_lib(t.name)
-                fb = tmpd / member.replace("/", "_")
+                fb = tmpd / f"{t.name}.fallback.so"
                 codegen.build(merged, t.llvm, fb, t.cross_cc)
-                members[member] = fb.read_bytes()
+                members[member] = hmod.pack_lib(fb.read_bytes())
                 entry["fallback"] = {symbol: member for symbol in fallbacks}
             target_entries[t.name] = entry
     return target_entries

@@ -36,6 +36,7 @@ import platform
 import stat
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any, Union
@@ -55,7 +56,7 @@ __all__ = [
     "BadSignature", "UnsignedBundle", "FormatVersionError", "NoLibForArch", "KeyFileError",
     "Bundle", "open_bundle", "write_bundle", "generate_keypair", "load_private_key",
     "load_public_key", "key_fingerprint", "machine_arch", "normalize_arch", "fallback_lib",
-    "fallback_function", "format_version_for",
+    "fallback_function", "format_version_for", "pack_lib", "unpack_lib",
 ]
 
 # 2: golden inputs may be generated (``{"inputs": "probe", "seed": k}``) instead of stored: a
@@ -168,8 +169,30 @@ def blob_array(blob: bytes, spec: Mapping[str, Any]) -> np.ndarray:
 
 
 def fallback_lib(target: str) -> str:
-    """The member holding every subgraph's TVM fallback for ``target`` (format_version 4)."""
-    return f"fallback/{target}.so"
+    """The member holding every subgraph's TVM fallback for ``target`` (format_version 4), as
+    zlib data (pack_lib): code deflates to a quarter, and the member is written out to disk to be
+    loaded anyway."""
+    return f"fallback/{target}.so.z"
+
+
+#: what a packed library may unpack to at most (a bomb is refused, not inflated)
+UNPACKED_MAX = 256 << 20
+
+
+def pack_lib(data: bytes) -> bytes:
+    return zlib.compress(data, 9)
+
+
+def unpack_lib(data: bytes, member: str) -> bytes:
+    """A packed library's bytes; NotABundle when they are no zlib data or unpack past UNPACKED_MAX."""
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, UNPACKED_MAX)
+        if d.unconsumed_tail or not d.eof:
+            raise ValueError(f"more than {UNPACKED_MAX} bytes, or truncated")
+    except (zlib.error, ValueError) as e:
+        raise NotABundle(f"member {member!r} is no packed library ({e})") from None
+    return out
 
 
 def format_version_for(manifest: Mapping[str, Any]) -> int:

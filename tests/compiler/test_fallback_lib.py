@@ -89,13 +89,16 @@ def test_every_subgraph_is_a_function_of_one_library_per_target(bundles):
         man = b.manifest
     symbols = [p["symbol"] for p in man["partitions"] if p["delegate"]]
     assert len(symbols) == 3 and man["format_version"] == 4
-    assert man["targets"]["host"]["fallback"] == dict.fromkeys(symbols, "fallback/host.so")
+    assert man["targets"]["host"]["fallback"] == dict.fromkeys(symbols, hmod.fallback_lib("host"))
     with zipfile.ZipFile(new) as z, zipfile.ZipFile(old) as zo:
         libs = [n for n in z.namelist() if n.startswith("fallback/")]
         old_libs = {n: zo.getinfo(n).file_size for n in zo.namelist() if n.startswith("fallback/")}
-        assert libs == ["fallback/host.so"] and len(old_libs) == 3
-        # the runtime glue once instead of three times
-        assert z.getinfo("fallback/host.so").file_size < 0.6 * sum(old_libs.values()), old_libs
+        assert libs == [hmod.fallback_lib("host")] and len(old_libs) == 3
+        # the runtime glue once instead of three times, and packed
+        packed = z.read(libs[0])
+    lib = hmod.unpack_lib(packed, libs[0])
+    assert lib[:4] == b"\x7fELF" and len(packed) < 0.5 * len(lib)
+    assert len(lib) < 0.6 * sum(old_libs.values()), old_libs
 
 
 def test_the_old_layout_still_loads_and_both_compute_what_onnxruntime_does(bundles):
@@ -107,3 +110,4 @@ def test_the_old_layout_still_loads_and_both_compute_what_onnxruntime_does(bundl
     got_new, got_old = _run_on_tvm(new, x)[0], _run_on_tvm(old, x)[0]
     assert np.array_equal(got_new, got_old)          # the same functions, only packed together
     np.testing.assert_allclose(got_new.reshape(want.shape), want, rtol=1e-4, atol=1e-4)
+
