@@ -76,7 +76,12 @@ def order_to_onnx(order: dict, weights: bytes, external: str | None = None) -> o
         raise ValueError(f"order {order.get('symbol')!r} is of kind {orders.kind_of(order)!r}: only a layer list is rendered")
     if external is not None and (not external or "/" in external or "\\" in external or external.startswith(".")):
         raise ValueError(f"external data file name {external!r} must be a plain file name")
-    r = _Renderer(order, bytes(weights), external)
+    # order_version 3's scale references: read as lists, and (with external) rendered as external
+    # data at the same bytes, so the blob holds a per-channel scale list once for every reader
+    blob = bytes(weights)
+    scale_at = {blob[o:o + n]: o for o, n in orders.scale_refs(order)}
+    order = orders.resolve_scales(order, blob)
+    r = _Renderer(order, blob, external, scale_at)
     for i, op in enumerate(order["ops"]):
         if reason := orders.check_op(op):
             raise ValueError(f"order {order.get('symbol')!r}: op {i}: {reason}")
@@ -123,8 +128,10 @@ def _pads(p, what: str) -> list[int]:
 
 
 class _Renderer:
-    def __init__(self, order: dict, blob: bytes, external: str | None = None) -> None:
+    def __init__(self, order: dict, blob: bytes, external: str | None = None,
+                 scale_at: dict[bytes, int] | None = None) -> None:
         self.order, self.blob, self.external = order, blob, external
+        self.scale_at = scale_at or {}      # float32 bytes of a scale list -> its blob offset
         self.tensors: dict[str, dict] = order["tensors"]
         self.wtable: dict[str, dict] = order.get("weights") or {}
         self.nodes: list[onnx.NodeProto] = []
@@ -180,19 +187,21 @@ class _Renderer:
         if name not in self.ext_done:
             self.array(name)  # checks that it lies inside the blob
             w = self.wtable[name]
-            t = onnx.TensorProto()
-            t.name = name
-            t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(w["dtype"]))
-            t.dims.extend(int(d) for d in w["shape"])
-            t.data_location = onnx.TensorProto.EXTERNAL
-            for k, v in (("location", self.external), ("offset", str(int(w["offset"]))),
-                         ("length", str(int(w["nbytes"])))):
-                e = t.external_data.add()
-                e.key, e.value = k, v
             self.taken.add(name)
-            self.inits.append(t)
+            self.external_init(name, w["dtype"], w["shape"], int(w["offset"]), int(w["nbytes"]))
             self.ext_done.add(name)
         return name
+
+    def external_init(self, name: str, dtype: str, shape, offset: int, nbytes: int) -> None:
+        t = onnx.TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        t.dims.extend(int(d) for d in shape)
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", self.external), ("offset", str(offset)), ("length", str(nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.inits.append(t)
 
     def array(self, name: str) -> np.ndarray:
         w = self.wtable.get(name)
@@ -304,7 +313,12 @@ class _Renderer:
     def qparams(self, q: orders.Quant, dtype: str, base: str, zero_point: bool = True) -> list[str]:
         per_axis = q.axis is not None
         scale = np.array(q.scale if per_axis else q.scale[0], np.float32)
-        names = [self.const(scale, f"{base}__scale")]
+        at = self.scale_at.get(scale.astype("<f4").tobytes()) if self.external and per_axis else None
+        if at is not None:   # the blob holds these bytes (order_version 3): refer to them
+            names = [self.fresh(f"{base}__scale")]
+            self.external_init(names[0], "float32", scale.shape, at, scale.nbytes)
+        else:
+            names = [self.const(scale, f"{base}__scale")]
         if zero_point:
             names.append(self.const(np.array(q.zero_point if per_axis else q.zero_point[0], dtype), f"{base}__zp"))
         return names

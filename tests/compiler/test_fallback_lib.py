@@ -111,3 +111,23 @@ def test_the_old_layout_still_loads_and_both_compute_what_onnxruntime_does(bundl
     assert np.array_equal(got_new, got_old)          # the same functions, only packed together
     np.testing.assert_allclose(got_new.reshape(want.shape), want, rtol=1e-4, atol=1e-4)
 
+
+def test_inspect_sizes_says_where_the_bytes_go(bundles, tmp_path):
+    import json
+
+    from support.cli import run_cli
+
+    src, new, old = bundles
+    res = run_cli("tandoor", "inspect", str(new), "--sizes", "--json")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    kinds = {r["kind"]: r for r in info["kinds"]}
+    assert info["file_bytes"] == new.stat().st_size == sum(r["bytes"] for r in info["kinds"]) + info["zip_overhead"]
+    assert kinds["TVM fallbacks"]["members"] == 1 and kinds["order weights"]["members"] == 3
+    assert info["format_version"] == 4
+    text = run_cli("tandoor", "inspect", str(old), "--sizes")
+    assert text.returncode == 0 and "TVM fallbacks" in text.stdout and "3 member(s)" in text.stdout, text.stdout
+    bad = tmp_path / "bad.hmod"
+    bad.write_bytes(b"not a zip")
+    res = run_cli("tandoor", "inspect", str(bad), "--sizes")
+    assert res.returncode == hmod.NotABundle.exit_code and len(res.stderr.strip().splitlines()) == 1, res.stderr
