@@ -76,7 +76,7 @@ def order_to_onnx(order: dict, weights: bytes, external: str | None = None) -> o
         raise ValueError(f"order {order.get('symbol')!r} is of kind {orders.kind_of(order)!r}: only a layer list is rendered")
     if external is not None and (not external or "/" in external or "\\" in external or external.startswith(".")):
         raise ValueError(f"external data file name {external!r} must be a plain file name")
-    # order_version 3's scale references: read as lists, and (with external) rendered as external
+    # order_version 5's scale references: read as lists, and (with external) rendered as external
     # data at the same bytes, so the blob holds a per-channel scale list once for every reader
     blob = bytes(weights)
     scale_at = {blob[o:o + n]: o for o, n in orders.scale_refs(order)}
@@ -314,7 +314,7 @@ class _Renderer:
         per_axis = q.axis is not None
         scale = np.array(q.scale if per_axis else q.scale[0], np.float32)
         at = self.scale_at.get(scale.astype("<f4").tobytes()) if self.external and per_axis else None
-        if at is not None:   # the blob holds these bytes (order_version 3): refer to them
+        if at is not None:   # the blob holds these bytes (order_version 5): refer to them
             names = [self.fresh(f"{base}__scale")]
             self.external_init(names[0], "float32", scale.shape, at, scale.nbytes)
         else:

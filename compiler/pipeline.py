@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import agreement, durable, hmod, media, probe
+from tandoor_contract import agreement, durable, hmod, media, orders, probe
 
 from . import cache as cache_mod
 from . import check_facts, frontend, npu, order_onnx, quantize
@@ -503,13 +503,14 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             entry["executor"] = p.est["executor"]     # hint for the runtime's auto mode
         if p.delegate:
             order, blob = codegen.region_to_order(p.func, p.symbol)
-            # compact: a quantized order lists a scale per channel of every weight (indented: 1.6 MB of
-            # EfficientNet-Lite0's 12 MB INT8 bundle)
-            members[f"orders/{p.symbol}.json"] = json.dumps(order, sort_keys=True, separators=(",", ":")).encode()
+            # a quantized order's per-channel scales go to the blob once, as float32, for all of its
+            # readers (orders.scale_refs_out); compact JSON (indented, they were 1.6 MB of 12)
+            stored, blob = orders.scale_refs_out(order, blob)
+            members[f"orders/{p.symbol}.json"] = json.dumps(stored, sort_keys=True, separators=(",", ":")).encode()
             members[f"orders/{p.symbol}.bin"] = blob
             # the ONNX rendering refers to the weights blob (external data) instead of copying it
             members[f"orders/{p.symbol}.onnx"] = order_onnx.order_to_onnx(
-                order, blob, external=f"{p.symbol}.bin").SerializeToString()
+                stored, blob, external=f"{p.symbol}.bin").SerializeToString()
             # what the order gives on the probe inputs, for the device to check its Arm NN against
             members[f"orders/{p.symbol}.probe.npz"] = _probe(order, members[f"orders/{p.symbol}.onnx"], p.symbol, blob)
             entry.update(order=f"orders/{p.symbol}.json", weights=f"orders/{p.symbol}.bin", onnx=f"orders/{p.symbol}.onnx",
@@ -518,7 +519,7 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             # The fallback is compiled without its weights: they are passed in at load time, read from
             # the order's blob where the bytes are the same (most are), else from a small params member.
             fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)
-            entry["fallback_params"] = _fallback_params(p.symbol, order, blob, values, members)
+            entry["fallback_params"] = _fallback_params(p.symbol, stored, blob, values, members)
             fallbacks[p.symbol] = fb_mod
         parts_manifest.append(entry)
     for g in plan.hatch:
@@ -691,8 +692,8 @@ def _fallback_params(symbol: str, order: dict, blob: bytes, values: list[np.ndar
     import hashlib
 
     known = {}
-    for w in order["weights"].values():
-        off, n = int(w["offset"]), int(w["nbytes"])
+    ranges = [(int(w["offset"]), int(w["nbytes"])) for w in order["weights"].values()]
+    for off, n in ranges + orders.scale_refs(order):   # a quantized op's scales are parameters too
         known.setdefault(hashlib.sha256(blob[off:off + n]).digest(), off)
     extra = bytearray()
     out = []

@@ -46,7 +46,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from . import durable, probe
+from . import durable, orders, probe
 from .errors import TandoorError
 from .orders import ORDER_VERSION, ORDER_VERSIONS
 
@@ -704,6 +704,11 @@ class Bundle:
         if type(ver) is not int or ver not in ORDER_VERSIONS:
             raise FormatVersionError(f"{self.path}: order {name!r} has order_version {ver!r}; "
                                      f"this agent supports {', '.join(map(str, ORDER_VERSIONS))}")
+        if ver >= orders.SCALE_REF_ORDER_VERSION:   # scale lists may be references into the blob
+            try:
+                order = orders.resolve_scales(order, self.weights(symbol))
+            except ValueError as e:
+                raise NotABundle(f"{self.path}: order {name!r}: {e}") from None
         return order
 
     def weights(self, symbol: str) -> bytes:

@@ -35,7 +35,7 @@ def qdq(request, tmp_path_factory) -> tuple[str, str, object]:
 def _quantized_orders(path) -> list[dict]:
     b = hmod.open_bundle(path)
     return [b.order(p["symbol"]) for p in b.manifest["partitions"] if p["delegate"]
-            and b.order(p["symbol"])["order_version"] == 2]
+            and b.order(p["symbol"])["order_version"] in (orders.QUANT_ORDER_VERSION, orders.SCALE_REF_ORDER_VERSION)]
 
 
 def test_int8_grid_recovers_the_codes_and_scales_of_a_folded_dequantize():
@@ -93,3 +93,34 @@ def test_the_int8_bundle_matches_onnxruntimes_int8_run_on_each_executor(qdq, del
     assert res.returncode == 0 and rep["ok"] and rep["max_abs_err"] <= rep["atol"], res.stdout + res.stderr
     step = manifest_of(paths["hmod"])["quantized"]["steps"]["logits"]
     assert rep["atol"] <= 5 * step
+
+
+def test_per_channel_scales_are_stored_once_in_the_blob_for_every_reader(qdq):
+    """order_version 5: the order JSON refers to its per-channel scales in the weights blob, the
+    ONNX rendering reads them there as external data, and the TVM fallback's scale parameters are
+    ranges of the same blob; Bundle.order gives them back as the lists they were."""
+    import onnx
+
+    weights, acts, paths = qdq
+    b = hmod.open_bundle(paths["hmod"])
+    for p in b.manifest["partitions"]:
+        if not p["delegate"]:
+            continue
+        raw = json.loads(b.read(p["order"]))
+        refs = orders.scale_refs(raw)
+        assert bool(refs) == (raw["order_version"] == 5)
+        if weights == "per-channel" and any(op["type"] == "conv2d" for op in raw["ops"]):
+            assert refs, raw["symbol"]                 # 16 channels: at least SCALE_REF_MIN
+        order = b.order(p["symbol"])
+        for spec in list(order["weights"].values()) + list(order["tensors"].values()):
+            orders.quant_of(spec)                      # resolved: lists again
+        model = onnx.ModelProto()
+        model.ParseFromString(b.read(p["onnx"]))
+        inline = [t.name for t in model.graph.initializer
+                  if t.data_location != onnx.TensorProto.EXTERNAL and t.data_type == onnx.TensorProto.FLOAT
+                  and len(t.dims) == 1 and t.dims[0] >= orders.SCALE_REF_MIN]
+        assert inline == []                            # no per-channel scale copied into the rendering
+        at = {off for off, _ in refs}
+        fb_scales = [f for f in p["fallback_params"] if f["dtype"] == "float32" and f["offset"] in at
+                     and f["member"] == p["weights"]]
+        assert bool(fb_scales) == bool(refs)
