@@ -550,7 +550,8 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
 
 def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
     """The TVM side and every fallback, per target; libs become members."""
-    lowered = codegen.lower_regions(plan.result.mod)
+    lowered, values = codegen.lift_main_weights(codegen.lower_regions(plan.result.mod))
+    lib_params = _params_member(values, hmod.LIB_PARAMS, members)
     provided = frozenset([p.symbol for p in plan.kept] + [g.symbol for g in plan.hatch if not g.tail])
     merged = codegen.merge_fallbacks(fallbacks) if fallbacks else None
     target_entries = {}
@@ -560,8 +561,13 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
             say(f"compiling the TVM part for {t.name}")
             lib = tmpd / f"{t.name}.so"
             codegen.build(lowered, t.llvm, lib, t.cross_cc, provided)
-            members[f"lib/{t.name}.so"] = lib.read_bytes()
-            entry = {"arch": t.arch, "lib": f"lib/{t.name}.so", "llvm": t.llvm, "fallback": {}}
+            # packed when the bundle is format 4 anyway (fallbacks or lib_params): older agents
+            # still get every bundle they could run
+            member = hmod.packed_lib(t.name) if fallbacks or lib_params else f"lib/{t.name}.so"
+            members[member] = hmod.pack_lib(lib.read_bytes()) if member.endswith(hmod.PACKED) else lib.read_bytes()
+            entry = {"arch": t.arch, "lib": member, "llvm": t.llvm, "fallback": {}}
+            if lib_params:
+                entry["lib_params"] = lib_params    # the same member for every target
             if merged is not None:
                 # one library for every subgraph, a function each (hmod.fallback_function)
                 say(f"compiling the TVM fallbacks of {len(fallbacks)} subgraph(s) for {t.name}")
@@ -695,24 +701,38 @@ def _fallback_params(symbol: str, order: dict, blob: bytes, values: list[np.ndar
     ranges = [(int(w["offset"]), int(w["nbytes"])) for w in order["weights"].values()]
     for off, n in ranges + orders.scale_refs(order):   # a quantized op's scales are parameters too
         known.setdefault(hashlib.sha256(blob[off:off + n]).digest(), off)
-    extra = bytearray()
-    out = []
-    def le_bytes(x: np.ndarray) -> bytes:
-        return np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
-
+    out, misses = [], []   # misses: (index, array) of the values no order range holds
     for a in values:
-        data = le_bytes(a)
+        data = _le_bytes(a)
         spec = {"member": f"orders/{symbol}.bin", "offset": known.get(hashlib.sha256(data).digest()),
                 "nbytes": len(data), "shape": list(a.shape), "dtype": str(a.dtype)}
         if spec["offset"] is None and a.ndim == 2:  # a dense kernel is the order's, transposed
-            off = known.get(hashlib.sha256(le_bytes(a.T)).digest())
+            off = known.get(hashlib.sha256(_le_bytes(a.T)).digest())
             if off is not None:
                 spec.update(offset=off, shape=list(a.T.shape), perm=[1, 0])
         if spec["offset"] is None:
-            extra.extend(b"\0" * (-len(extra) % 64))
-            spec.update(member=f"fallback/{symbol}.params.bin", offset=len(extra))
-            extra.extend(data)
+            misses.append((len(out), a))
         out.append(spec)
-    if extra:
-        members[f"fallback/{symbol}.params.bin"] = bytes(extra)
+    extra = _params_member([a for _, a in misses], f"fallback/{symbol}.params.bin", members)
+    for (i, _), spec in zip(misses, extra):
+        out[i] = spec
+    return out
+
+
+def _le_bytes(x: np.ndarray) -> bytes:
+    return np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _params_member(values: list[np.ndarray], member: str, members: dict) -> list[dict]:
+    """``values`` laid out 64-byte aligned in ``member``: their specs ({member, offset, nbytes,
+    shape, dtype}, as hmod.blob_array reads them); none and no member when there are none."""
+    data, out = bytearray(), []
+    for a in values:
+        data.extend(b"\0" * (-len(data) % 64))
+        raw = _le_bytes(a)
+        out.append({"member": member, "offset": len(data), "nbytes": len(raw), "shape": list(a.shape),
+                    "dtype": str(a.dtype)})
+        data.extend(raw)
+    if out:
+        members[member] = bytes(data)
     return out

@@ -37,7 +37,7 @@ import stat
 import tempfile
 import zipfile
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any, Union
 
@@ -56,7 +56,7 @@ __all__ = [
     "BadSignature", "UnsignedBundle", "FormatVersionError", "NoLibForArch", "KeyFileError",
     "Bundle", "open_bundle", "write_bundle", "generate_keypair", "load_private_key",
     "load_public_key", "key_fingerprint", "machine_arch", "normalize_arch", "fallback_lib",
-    "fallback_function", "format_version_for", "pack_lib", "unpack_lib",
+    "fallback_function", "format_version_for", "pack_lib", "unpack_lib", "packed_lib", "PACKED", "LIB_PARAMS",
 ]
 
 # 2: golden inputs may be generated (``{"inputs": "probe", "seed": k}``) instead of stored: a
@@ -71,8 +71,10 @@ __all__ = [
 # 4: one TVM fallback library per target for every delegated subgraph (``fallback/<target>.so``, a
 # function per subgraph: fallback_function), instead of one library per subgraph and target: each
 # carried ~65 KB of TVM's runtime glue whatever its code (a 51-subgraph classifier: 6.6 MB of its 7.5).
-# Order probes may be probe version 2 (generated indices). Written only for a bundle with fallbacks in
-# that layout (format_version_for), so every other bundle keeps the version older agents run.
+# Order probes may be probe version 2 (generated indices). A target may have ``lib_params``: the TVM
+# main module's weights, out of its libraries and stored once for every target in LIB_PARAMS (a
+# quantized kernel as its int8 codes). Written only for a bundle that has either (format_version_for),
+# so every other bundle keeps the version older agents run.
 FORMAT_VERSION = 4
 FALLBACK_LIB_FORMAT_VERSION = 4
 TAIL_FORMAT_VERSION = 3
@@ -82,6 +84,8 @@ SIGNATURE = "manifest.sig"
 SUFFIX = ".hmod"
 
 SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, TAIL_FORMAT_VERSION, FORMAT_VERSION})
+#: the TVM main module's weights, one member for every target's lib (format_version 4: lib_params)
+LIB_PARAMS = "lib/params.bin"
 GENERATED = "probe"   # a golden pair's "inputs" when they are probe.inputs(manifest, seed)
 _RESERVED = frozenset({MANIFEST, SIGNATURE})
 _CHUNK = 1 << 20
@@ -169,10 +173,19 @@ def blob_array(blob: bytes, spec: Mapping[str, Any]) -> np.ndarray:
 
 
 def fallback_lib(target: str) -> str:
-    """The member holding every subgraph's TVM fallback for ``target`` (format_version 4), as
-    zlib data (pack_lib): code deflates to a quarter, and the member is written out to disk to be
-    loaded anyway."""
-    return f"fallback/{target}.so.z"
+    """The member holding every subgraph's TVM fallback for ``target`` (format_version 4), packed."""
+    return f"fallback/{target}.so{PACKED}"
+
+
+#: a library member named so is zlib data (pack_lib), format_version 4: code deflates to a quarter,
+#: and a library is written out to disk to be loaded anyway (zip members stay stored, so agents
+#: before 4 refuse such a bundle by its version, not as an unsafe entry)
+PACKED = ".z"
+
+
+def packed_lib(target: str) -> str:
+    """The member of ``target``'s main library in a format-4 bundle (packed)."""
+    return f"lib/{target}.so{PACKED}"
 
 
 #: what a packed library may unpack to at most (a bomb is refused, not inflated)
@@ -197,13 +210,41 @@ def unpack_lib(data: bytes, member: str) -> bytes:
 
 def format_version_for(manifest: Mapping[str, Any]) -> int:
     """The oldest format that holds ``manifest``: 4 when a target's fallbacks are its one library
-    (fallback_lib), 3 with a tail, else 2, so agents that know only an older one still run it."""
+    (fallback_lib) or its lib takes lib_params, 3 with a tail, else 2, so agents that know only an
+    older one still run it."""
     targets = manifest.get("targets") if isinstance(manifest.get("targets"), Mapping) else {}
     for name, t in targets.items():
-        fb = t.get("fallback") if isinstance(t, Mapping) else None
-        if isinstance(fb, Mapping) and fallback_lib(name) in fb.values():
+        if not isinstance(t, Mapping):
+            continue
+        fb = t.get("fallback")
+        if (isinstance(fb, Mapping) and fallback_lib(name) in fb.values() or t.get("lib_params")
+                or str(t.get("lib", "")).endswith(PACKED)):
             return FALLBACK_LIB_FORMAT_VERSION
     return TAIL_FORMAT_VERSION if manifest.get("tail") else PLAIN_FORMAT_VERSION
+
+
+def param_arrays(read: Callable[[str], bytes], specs: Iterable[Mapping[str, Any]]) -> list[np.ndarray]:
+    """The arrays a list of parameter specs ({member, offset, nbytes, shape, dtype, perm?}: a
+    target's ``lib_params``, a partition's ``fallback_params``) places in bundle members, each
+    member read once through ``read``. ValueError naming the spec when one does not fit."""
+    blobs: dict[str, bytes] = {}
+    out = []
+    for i, spec in enumerate(specs):
+        try:
+            member = spec["member"]
+            if member not in blobs:
+                blobs[member] = read(member)
+            a = blob_array(blobs[member], spec)
+            perm = spec.get("perm")
+            if perm is not None:
+                if sorted(perm) != list(range(a.ndim)):
+                    raise ValueError(f"perm {perm} does not fit {list(a.shape)}")
+                a = a.transpose(perm)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"[{i}] in {spec.get('member') if isinstance(spec, Mapping) else spec!r}: "
+                             f"{err}") from None
+        out.append(a)
+    return out
 
 
 def fallback_function(format_version: Any, symbol: str) -> str:
@@ -710,6 +751,11 @@ class Bundle:
             except ValueError as e:
                 raise NotABundle(f"{self.path}: order {name!r}: {e}") from None
         return order
+
+    def library(self, member: str) -> bytes:
+        """A TVM library member's bytes as the loader takes them (unpacked when PACKED)."""
+        data = self.read(member)
+        return unpack_lib(data, member) if member.endswith(PACKED) else data
 
     def weights(self, symbol: str) -> bytes:
         """Raw weights blob of ``symbol`` (offsets are in the order's ``weights`` table)."""

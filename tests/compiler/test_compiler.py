@@ -84,8 +84,8 @@ def test_compile_host_and_aarch64_then_verify(name, bundles_dir):
     import zipfile
 
     with zipfile.ZipFile(out) as z:
-        elf = z.read("lib/aarch64.so")
-        host = z.read("lib/host.so")
+        elf = hmod.unpack_lib(z.read(hmod.packed_lib("aarch64")), "aarch64")   # format 4: packed
+        host = hmod.unpack_lib(z.read(hmod.packed_lib("host")), "host")
     assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183   # EM_AARCH64
     assert int.from_bytes(host[18:20], "little") == 62                                # EM_X86_64
     res = run_cli("tandoor", "verify", str(out), "--reference", str(model), "--json")

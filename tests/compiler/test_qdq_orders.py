@@ -124,3 +124,37 @@ def test_per_channel_scales_are_stored_once_in_the_blob_for_every_reader(qdq):
         fb_scales = [f for f in p["fallback_params"] if f["dtype"] == "float32" and f["offset"] in at
                      and f["member"] == p["weights"]]
         assert bool(fb_scales) == bool(refs)
+
+
+def test_the_tvm_side_keeps_int8_kernels_once_for_every_target(qdq, tmp_path):
+    """Nothing delegated (--policy none): the TVM main module computes the whole QDQ model, and its
+    weights are not in the libraries but in one lib_params member both targets read, the quantized
+    kernels as their int8 codes (format 4); the bundle still matches onnxruntime's int8 run, and a
+    lib_params range that does not fit is refused in one line."""
+    weights, acts, paths = qdq
+    if (weights, acts) != ("per-channel", "int8"):
+        pytest.skip("one quantization is enough here")
+    out = tmp_path / "tvm.hmod"
+    res = run_cli("tandoor", "compile", str(paths["qdq"]), "-o", str(out), "-q", "--policy", "none",
+                  "--target", "aarch64", "--measure", "off")
+    assert res.returncode == 0, res.stderr
+    man = manifest_of(out)
+    assert man["format_version"] == 4 and not any(p["delegate"] for p in man["partitions"])
+    specs = {t: v["lib_params"] for t, v in man["targets"].items()}
+    assert set(specs) == {"host", "aarch64"} and specs["host"] == specs["aarch64"]
+    assert {s["member"] for s in specs["host"]} == {hmod.LIB_PARAMS}
+    kernels = [s for s in specs["host"] if s["dtype"] == "int8" and len(s["shape"]) >= 2]
+    assert len(kernels) == 4, specs["host"]            # three convs and the dense layer, as int8 codes
+    rep = run_cli("tandoor", "verify", str(out), "--reference", str(paths["qdq"]), "--json")
+    v = json.loads(rep.stdout)
+    assert rep.returncode == 0 and v["ok"] and v["max_abs_err"] <= v["atol"], rep.stdout + rep.stderr
+
+    from support.bundle_edit import rewrite
+
+    def grow(manifest, members):
+        for t in manifest["targets"].values():
+            t["lib_params"][0]["nbytes"] += 1
+    bad = rewrite(out, tmp_path / "bad.hmod", grow)
+    res = run_cli("tandoor-agent", "run", str(bad))
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert "lib_params[0]" in res.stderr and "recompile the model" in res.stderr, res.stderr

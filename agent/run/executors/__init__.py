@@ -149,8 +149,7 @@ def _build_tvm(ctx: BuildContext):
     sha = str((ctx.bundle.manifest.get("files") or {}).get(member, ""))[:16]
     path = ctx.workdir / f"{member.replace('/', '_')}.{sha}.so"
     if not path.exists():
-        data = ctx.bundle.read(member)
-        path.write_bytes(hmod.unpack_lib(data, member) if entry != "main" else data)
+        path.write_bytes(ctx.bundle.library(member))
     return TvmExecutor(ctx.order, path, fallback_params(ctx.bundle, ctx.part), entry=entry)
 
 

@@ -68,22 +68,7 @@ class TvmExecutor:
 def fallback_params(bundle, part: dict) -> list[np.ndarray]:
     """The TVM fallback's weights (compiled out of its lib): byte ranges of bundle members, each
     transposed by ``perm`` when given."""
-    blobs: dict[str, bytes] = {}
-    out = []
-    for i, spec in enumerate(part.get("fallback_params") or ()):
-        member = spec["member"]
-        if member not in blobs:
-            blobs[member] = bundle.read(member)
-        try:
-            a = hmod.blob_array(blobs[member], spec)
-        except ValueError as err:
-            raise Unavailable(f"fallback_params[{i}] of {part.get('symbol')} in {member}: {err}; "
-                                "recompile the model") from None
-        perm = spec.get("perm")
-        if perm is not None:
-            if sorted(perm) != list(range(a.ndim)):
-                raise Unavailable(f"fallback_params[{i}] of {part.get('symbol')}: perm {perm} does not fit "
-                                    f"{list(a.shape)}; recompile the model")
-            a = a.transpose(perm)
-        out.append(a)
-    return out
+    try:
+        return hmod.param_arrays(bundle.read, part.get("fallback_params") or ())
+    except ValueError as err:
+        raise Unavailable(f"fallback_params{err} of {part.get('symbol')}; recompile the model") from None
