@@ -506,6 +506,7 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             # a quantized order's per-channel scales go to the blob once, as float32, for all of its
             # readers (orders.scale_refs_out); compact JSON (indented, they were 1.6 MB of 12)
             stored, blob = orders.scale_refs_out(order, blob)
+            blob = order_onnx.with_zero_run(order, blob)
             members[f"orders/{p.symbol}.json"] = json.dumps(stored, sort_keys=True, separators=(",", ":")).encode()
             members[f"orders/{p.symbol}.bin"] = blob
             # the ONNX rendering refers to the weights blob (external data) instead of copying it
@@ -706,6 +707,8 @@ def _fallback_params(symbol: str, order: dict, blob: bytes, values: list[np.ndar
         data = _le_bytes(a)
         spec = {"member": f"orders/{symbol}.bin", "offset": known.get(hashlib.sha256(data).digest()),
                 "nbytes": len(data), "shape": list(a.shape), "dtype": str(a.dtype)}
+        if spec["offset"] is None and not a.any():    # zero points: the zeros the blob ends with
+            spec["offset"] = order_onnx.zero_run(blob, len(data))
         if spec["offset"] is None and a.ndim == 2:  # a dense kernel is the order's, transposed
             off = known.get(hashlib.sha256(_le_bytes(a.T)).digest())
             if off is not None:

@@ -120,6 +120,11 @@ def test_per_channel_scales_are_stored_once_in_the_blob_for_every_reader(qdq):
                   if t.data_location != onnx.TensorProto.EXTERNAL and t.data_type == onnx.TensorProto.FLOAT
                   and len(t.dims) == 1 and t.dims[0] >= orders.SCALE_REF_MIN]
         assert inline == []                            # no per-channel scale copied into the rendering
+        zps = [t.name for t in model.graph.initializer if t.name.endswith("__zp") and len(t.dims) == 1
+               and t.dims[0] >= orders.SCALE_REF_MIN and t.data_location != onnx.TensorProto.EXTERNAL]
+        assert zps == []                               # nor its zero points: the zeros the blob ends with
+        zero_params = [f for f in p["fallback_params"] if f["member"] != p["weights"] and f["dtype"] == "int8"]
+        assert zero_params == []
         at = {off for off, _ in refs}
         fb_scales = [f for f in p["fallback_params"] if f["dtype"] == "float32" and f["offset"] in at
                      and f["member"] == p["weights"]]

@@ -40,3 +40,14 @@ def test_a_short_list_order_is_unchanged_and_a_bad_reference_is_refused() -> Non
     stored, out = orders.scale_refs_out(_order(40), bytes(224))
     with pytest.raises(ValueError, match="not float32s inside the 100-byte weights blob"):
         orders.resolve_scales(stored, out[:100])
+
+
+def test_a_long_zero_point_list_of_one_value_is_a_fill_and_resolves_back() -> None:
+    order, blob = _order(40), bytes(64 + 160)
+    stored, out = orders.scale_refs_out(order, blob)
+    assert stored["weights"]["k"]["quant"]["zero_point"] == {"fill": 0, "count": 40}
+    assert stored["tensors"]["x"]["quant"]["zero_point"] == [3]           # short: inline
+    assert orders.resolve_scales(stored, out)["weights"] == order["weights"]
+    stored["weights"]["k"]["quant"]["zero_point"] = {"fill": "0", "count": 40}
+    with pytest.raises(ValueError, match="zero_point"):
+        orders.resolve_scales(stored, out)
