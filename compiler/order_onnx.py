@@ -76,7 +76,12 @@ def order_to_onnx(order: dict, weights: bytes, external: str | None = None) -> o
         raise ValueError(f"order {order.get('symbol')!r} is of kind {orders.kind_of(order)!r}: only a layer list is rendered")
     if external is not None and (not external or "/" in external or "\\" in external or external.startswith(".")):
         raise ValueError(f"external data file name {external!r} must be a plain file name")
-    r = _Renderer(order, bytes(weights), external)
+    # order_version 5's scale references: read as lists, and (with external) rendered as external
+    # data at the same bytes, so the blob holds a per-channel scale list once for every reader
+    blob = bytes(weights)
+    scale_at = {blob[o:o + n]: o for o, n in orders.scale_refs(order)}
+    order = orders.resolve_scales(order, blob)
+    r = _Renderer(order, blob, external, scale_at)
     for i, op in enumerate(order["ops"]):
         if reason := orders.check_op(op):
             raise ValueError(f"order {order.get('symbol')!r}: op {i}: {reason}")
@@ -122,9 +127,36 @@ def _pads(p, what: str) -> list[int]:
     return p
 
 
+def zero_run(blob: bytes, nbytes: int) -> int | None:
+    """The offset of ``nbytes`` zeros the blob ends with (64-aligned end: pipeline appends them for
+    a quantized order's per-channel zero points), or None."""
+    at = len(blob) - nbytes
+    return at if nbytes and at >= 0 and len(blob) % 64 == 0 and blob[at:] == bytes(nbytes) else None
+
+
+def with_zero_run(order: dict, blob: bytes) -> bytes:
+    """``blob`` ending in as many zeros as the order's longest all-zero per-channel zero_point list
+    takes (64-byte aligned), so that the ONNX rendering and the TVM fallback read such zero points
+    there instead of each carrying copies (EfficientNet-Lite0 INT8: 2 x 22 KB)."""
+    need = 0
+    for table in ("tensors", "weights"):
+        for spec in (order.get(table) or {}).values():
+            q = orders.quant_of(spec) if isinstance(spec, dict) and spec.get("quant") else None
+            # int8/uint8 kernels': an int32 bias's zero points are read by nobody (ONNX needs none)
+            if q is not None and q.axis is not None and not any(q.zero_point) and spec["dtype"] in ("int8", "uint8"):
+                need = max(need, len(q.zero_point))
+    if not need:
+        return blob
+    need += -need % 64
+    pad = -len(blob) % 64
+    return blob if zero_run(blob, need) is not None else blob + bytes(pad + need)
+
+
 class _Renderer:
-    def __init__(self, order: dict, blob: bytes, external: str | None = None) -> None:
+    def __init__(self, order: dict, blob: bytes, external: str | None = None,
+                 scale_at: dict[bytes, int] | None = None) -> None:
         self.order, self.blob, self.external = order, blob, external
+        self.scale_at = scale_at or {}      # float32 bytes of a scale list -> its blob offset
         self.tensors: dict[str, dict] = order["tensors"]
         self.wtable: dict[str, dict] = order.get("weights") or {}
         self.nodes: list[onnx.NodeProto] = []
@@ -180,19 +212,21 @@ class _Renderer:
         if name not in self.ext_done:
             self.array(name)  # checks that it lies inside the blob
             w = self.wtable[name]
-            t = onnx.TensorProto()
-            t.name = name
-            t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(w["dtype"]))
-            t.dims.extend(int(d) for d in w["shape"])
-            t.data_location = onnx.TensorProto.EXTERNAL
-            for k, v in (("location", self.external), ("offset", str(int(w["offset"]))),
-                         ("length", str(int(w["nbytes"])))):
-                e = t.external_data.add()
-                e.key, e.value = k, v
             self.taken.add(name)
-            self.inits.append(t)
+            self.external_init(name, w["dtype"], w["shape"], int(w["offset"]), int(w["nbytes"]))
             self.ext_done.add(name)
         return name
+
+    def external_init(self, name: str, dtype: str, shape, offset: int, nbytes: int) -> None:
+        t = onnx.TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        t.dims.extend(int(d) for d in shape)
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", self.external), ("offset", str(offset)), ("length", str(nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.inits.append(t)
 
     def array(self, name: str) -> np.ndarray:
         w = self.wtable.get(name)
@@ -304,9 +338,20 @@ class _Renderer:
     def qparams(self, q: orders.Quant, dtype: str, base: str, zero_point: bool = True) -> list[str]:
         per_axis = q.axis is not None
         scale = np.array(q.scale if per_axis else q.scale[0], np.float32)
-        names = [self.const(scale, f"{base}__scale")]
+        at = self.scale_at.get(scale.astype("<f4").tobytes()) if self.external and per_axis else None
+        if at is not None:   # the blob holds these bytes (order_version 5): refer to them
+            names = [self.fresh(f"{base}__scale")]
+            self.external_init(names[0], "float32", scale.shape, at, scale.nbytes)
+        else:
+            names = [self.const(scale, f"{base}__scale")]
         if zero_point:
-            names.append(self.const(np.array(q.zero_point if per_axis else q.zero_point[0], dtype), f"{base}__zp"))
+            zp = np.array(q.zero_point if per_axis else q.zero_point[0], dtype)
+            at = zero_run(self.blob, zp.nbytes) if self.external and per_axis and not zp.any() else None
+            if at is not None:   # symmetric per-channel zero points: the zeros the blob ends with
+                names.append(self.fresh(f"{base}__zp"))
+                self.external_init(names[-1], dtype, zp.shape, at, zp.nbytes)
+            else:
+                names.append(self.const(zp, f"{base}__zp"))
         return names
 
     def dequantize(self, x: str, q: orders.Quant, dtype: str, base: str, axis: int | None = None) -> str:

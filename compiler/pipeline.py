@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import agreement, durable, hmod, media, probe
+from tandoor_contract import agreement, durable, hmod, media, orders, probe
 
 from . import cache as cache_mod
 from . import check_facts, frontend, npu, order_onnx, order_tflite, quantize
@@ -560,13 +560,15 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             entry["executor"] = p.est["executor"]     # hint for the runtime's auto mode
         if p.delegate:
             order, blob = codegen.region_to_order(p.func, p.symbol)
-            # compact: a quantized order lists a scale per channel of every weight (indented: 1.6 MB of
-            # EfficientNet-Lite0's 12 MB INT8 bundle)
-            members[f"orders/{p.symbol}.json"] = json.dumps(order, sort_keys=True, separators=(",", ":")).encode()
+            # a quantized order's per-channel scales go to the blob once, as float32, for all of its
+            # readers (orders.scale_refs_out); compact JSON (indented, they were 1.6 MB of 12)
+            stored, blob = orders.scale_refs_out(order, blob)
+            blob = order_onnx.with_zero_run(order, blob)
+            members[f"orders/{p.symbol}.json"] = json.dumps(stored, sort_keys=True, separators=(",", ":")).encode()
             members[f"orders/{p.symbol}.bin"] = blob
             # the ONNX rendering refers to the weights blob (external data) instead of copying it
             members[f"orders/{p.symbol}.onnx"] = order_onnx.order_to_onnx(
-                order, blob, external=f"{p.symbol}.bin").SerializeToString()
+                stored, blob, external=f"{p.symbol}.bin").SerializeToString()
             # what the order gives on the probe inputs, for the device to check its Arm NN against
             members[f"orders/{p.symbol}.probe.npz"] = _probe(order, members[f"orders/{p.symbol}.onnx"], p.symbol, blob)
             entry.update(order=f"orders/{p.symbol}.json", weights=f"orders/{p.symbol}.bin", onnx=f"orders/{p.symbol}.onnx",
@@ -579,7 +581,7 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             # The fallback is compiled without its weights: they are passed in at load time, read from
             # the order's blob where the bytes are the same (most are), else from a small params member.
             fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)
-            entry["fallback_params"] = _fallback_params(p.symbol, order, blob, values, members)
+            entry["fallback_params"] = _fallback_params(p.symbol, stored, blob, values, members)
             fallbacks[p.symbol] = fb_mod
         parts_manifest.append(entry)
     for g in plan.hatch:
@@ -610,8 +612,10 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
 
 def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
     """The TVM side and every fallback, per target; libs become members."""
-    lowered = codegen.lower_regions(plan.result.mod)
+    lowered, values = codegen.lift_main_weights(codegen.lower_regions(plan.result.mod))
+    lib_params = _params_member(values, hmod.LIB_PARAMS, members)
     provided = frozenset([p.symbol for p in plan.kept] + [g.symbol for g in plan.hatch if not g.tail])
+    merged = codegen.merge_fallbacks(fallbacks) if fallbacks else None
     target_entries = {}
     with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
         tmpd = Path(tmp)
@@ -619,15 +623,21 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
             say(f"compiling the TVM part for {t.name}")
             lib = tmpd / f"{t.name}.so"
             codegen.build(lowered, t.llvm, lib, t.cross_cc, provided)
-            members[f"lib/{t.name}.so"] = lib.read_bytes()
-            entry = {"arch": t.arch, "lib": f"lib/{t.name}.so", "llvm": t.llvm, "fallback": {}}
-            for symbol, fb_mod in fallbacks.items():
-                say(f"compiling the TVM fallback of {symbol} for {t.name}")
-                fb = tmpd / f"{t.name}.{symbol}.so"
-                codegen.build(fb_mod, t.llvm, fb, t.cross_cc)
-                member = f"fallback/{t.name}/{symbol}.so"
-                members[member] = fb.read_bytes()
-                entry["fallback"][symbol] = member
+            # packed when the bundle is format 4 anyway (fallbacks or lib_params): older agents
+            # still get every bundle they could run
+            member = hmod.packed_lib(t.name) if fallbacks or lib_params else f"lib/{t.name}.so"
+            members[member] = hmod.pack_lib(lib.read_bytes()) if member.endswith(hmod.PACKED) else lib.read_bytes()
+            entry = {"arch": t.arch, "lib": member, "llvm": t.llvm, "fallback": {}}
+            if lib_params:
+                entry["lib_params"] = lib_params    # the same member for every target
+            if merged is not None:
+                # one library for every subgraph, a function each (hmod.fallback_function)
+                say(f"compiling the TVM fallbacks of {len(fallbacks)} subgraph(s) for {t.name}")
+                member = hmod.fallback_lib(t.name)
+                fb = tmpd / f"{t.name}.fallback.so"
+                codegen.build(merged, t.llvm, fb, t.cross_cc)
+                members[member] = hmod.pack_lib(fb.read_bytes())
+                entry["fallback"] = {symbol: member for symbol in fallbacks}
             target_entries[t.name] = entry
     return target_entries
 
@@ -757,27 +767,43 @@ def _fallback_params(symbol: str, order: dict, blob: bytes, values: list[np.ndar
     import hashlib
 
     known = {}
-    for w in order["weights"].values():
-        off, n = int(w["offset"]), int(w["nbytes"])
+    ranges = [(int(w["offset"]), int(w["nbytes"])) for w in order["weights"].values()]
+    for off, n in ranges + orders.scale_refs(order):   # a quantized op's scales are parameters too
         known.setdefault(hashlib.sha256(blob[off:off + n]).digest(), off)
-    extra = bytearray()
-    out = []
-    def le_bytes(x: np.ndarray) -> bytes:
-        return np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
-
+    out, misses = [], []   # misses: (index, array) of the values no order range holds
     for a in values:
-        data = le_bytes(a)
+        data = _le_bytes(a)
         spec = {"member": f"orders/{symbol}.bin", "offset": known.get(hashlib.sha256(data).digest()),
                 "nbytes": len(data), "shape": list(a.shape), "dtype": str(a.dtype)}
+        if spec["offset"] is None and not a.any():    # zero points: the zeros the blob ends with
+            spec["offset"] = order_onnx.zero_run(blob, len(data))
         if spec["offset"] is None and a.ndim == 2:  # a dense kernel is the order's, transposed
-            off = known.get(hashlib.sha256(le_bytes(a.T)).digest())
+            off = known.get(hashlib.sha256(_le_bytes(a.T)).digest())
             if off is not None:
                 spec.update(offset=off, shape=list(a.T.shape), perm=[1, 0])
         if spec["offset"] is None:
-            extra.extend(b"\0" * (-len(extra) % 64))
-            spec.update(member=f"fallback/{symbol}.params.bin", offset=len(extra))
-            extra.extend(data)
+            misses.append((len(out), a))
         out.append(spec)
-    if extra:
-        members[f"fallback/{symbol}.params.bin"] = bytes(extra)
+    extra = _params_member([a for _, a in misses], f"fallback/{symbol}.params.bin", members)
+    for (i, _), spec in zip(misses, extra):
+        out[i] = spec
+    return out
+
+
+def _le_bytes(x: np.ndarray) -> bytes:
+    return np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _params_member(values: list[np.ndarray], member: str, members: dict) -> list[dict]:
+    """``values`` laid out 64-byte aligned in ``member``: their specs ({member, offset, nbytes,
+    shape, dtype}, as hmod.blob_array reads them); none and no member when there are none."""
+    data, out = bytearray(), []
+    for a in values:
+        data.extend(b"\0" * (-len(data) % 64))
+        raw = _le_bytes(a)
+        out.append({"member": member, "offset": len(data), "nbytes": len(raw), "shape": list(a.shape),
+                    "dtype": str(a.dtype)})
+        data.extend(raw)
+    if out:
+        members[member] = bytes(data)
     return out

@@ -36,7 +36,8 @@ import platform
 import stat
 import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any, Union
 
@@ -45,7 +46,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from . import durable, probe
+from . import durable, orders, probe
 from .errors import TandoorError
 from .orders import ORDER_VERSION, ORDER_VERSIONS
 
@@ -54,7 +55,8 @@ __all__ = [
     "BundleError", "NotABundle", "UnsafeMember", "HashMismatch", "MissingMember", "ExtraMember",
     "BadSignature", "UnsignedBundle", "FormatVersionError", "NoLibForArch", "KeyFileError",
     "Bundle", "open_bundle", "write_bundle", "generate_keypair", "load_private_key",
-    "load_public_key", "key_fingerprint", "machine_arch", "normalize_arch",
+    "load_public_key", "key_fingerprint", "machine_arch", "normalize_arch", "fallback_lib",
+    "fallback_function", "format_version_for", "pack_lib", "unpack_lib", "packed_lib", "PACKED", "LIB_PARAMS",
 ]
 
 # 2: golden inputs may be generated (``{"inputs": "probe", "seed": k}``) instead of stored: a
@@ -66,13 +68,24 @@ __all__ = [
 # A bundle is written with the lowest version that describes it (3 only with a tail), so agents
 # that know 2 still run every other bundle, and refuse one with a tail instead of returning the VM's
 # outputs as the model's.
-FORMAT_VERSION = 3
-PLAIN_FORMAT_VERSION = 2   # a bundle without a tail
+# 4: one TVM fallback library per target for every delegated subgraph (``fallback/<target>.so``, a
+# function per subgraph: fallback_function), instead of one library per subgraph and target: each
+# carried ~65 KB of TVM's runtime glue whatever its code (a 51-subgraph classifier: 6.6 MB of its 7.5).
+# Order probes may be probe version 2 (generated indices). A target may have ``lib_params``: the TVM
+# main module's weights, out of its libraries and stored once for every target in LIB_PARAMS (a
+# quantized kernel as its int8 codes). Written only for a bundle that has either (format_version_for),
+# so every other bundle keeps the version older agents run.
+FORMAT_VERSION = 4
+FALLBACK_LIB_FORMAT_VERSION = 4
+TAIL_FORMAT_VERSION = 3
+PLAIN_FORMAT_VERSION = 2   # a bundle without a tail or one fallback library per target
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 SUFFIX = ".hmod"
 
-SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, FORMAT_VERSION})
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, TAIL_FORMAT_VERSION, FORMAT_VERSION})
+#: the TVM main module's weights, one member for every target's lib (format_version 4: lib_params)
+LIB_PARAMS = "lib/params.bin"
 GENERATED = "probe"   # a golden pair's "inputs" when they are probe.inputs(manifest, seed)
 _RESERVED = frozenset({MANIFEST, SIGNATURE})
 _CHUNK = 1 << 20
@@ -157,6 +170,89 @@ def blob_array(blob: bytes, spec: Mapping[str, Any]) -> np.ndarray:
         raise ValueError(f"{nbytes} bytes at offset {off} do not hold {list(shape)} {spec['dtype']} "
                          f"inside a {len(blob)}-byte blob")
     return np.frombuffer(blob, dt, count, off).reshape(shape)
+
+
+def fallback_lib(target: str) -> str:
+    """The member holding every subgraph's TVM fallback for ``target`` (format_version 4), packed."""
+    return f"fallback/{target}.so{PACKED}"
+
+
+#: a library member named so is zlib data (pack_lib), format_version 4: code deflates to a quarter,
+#: and a library is written out to disk to be loaded anyway (zip members stay stored, so agents
+#: before 4 refuse such a bundle by its version, not as an unsafe entry)
+PACKED = ".z"
+
+
+def packed_lib(target: str) -> str:
+    """The member of ``target``'s main library in a format-4 bundle (packed)."""
+    return f"lib/{target}.so{PACKED}"
+
+
+#: what a packed library may unpack to at most (a bomb is refused, not inflated)
+UNPACKED_MAX = 256 << 20
+
+
+def pack_lib(data: bytes) -> bytes:
+    return zlib.compress(data, 9)
+
+
+def unpack_lib(data: bytes, member: str) -> bytes:
+    """A packed library's bytes; NotABundle when they are no zlib data or unpack past UNPACKED_MAX."""
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, UNPACKED_MAX)
+        if d.unconsumed_tail or not d.eof:
+            raise ValueError(f"more than {UNPACKED_MAX} bytes, or truncated")
+    except (zlib.error, ValueError) as e:
+        raise NotABundle(f"member {member!r} is no packed library ({e})") from None
+    return out
+
+
+def format_version_for(manifest: Mapping[str, Any]) -> int:
+    """The oldest format that holds ``manifest``: 4 when a target's fallbacks are its one library
+    (fallback_lib) or its lib takes lib_params, 3 with a tail, else 2, so agents that know only an
+    older one still run it."""
+    targets = manifest.get("targets") if isinstance(manifest.get("targets"), Mapping) else {}
+    for name, t in targets.items():
+        if not isinstance(t, Mapping):
+            continue
+        fb = t.get("fallback")
+        if (isinstance(fb, Mapping) and fallback_lib(name) in fb.values() or t.get("lib_params")
+                or str(t.get("lib", "")).endswith(PACKED)):
+            return FALLBACK_LIB_FORMAT_VERSION
+    return TAIL_FORMAT_VERSION if manifest.get("tail") else PLAIN_FORMAT_VERSION
+
+
+def param_arrays(read: Callable[[str], bytes], specs: Iterable[Mapping[str, Any]]) -> list[np.ndarray]:
+    """The arrays a list of parameter specs ({member, offset, nbytes, shape, dtype, perm?}: a
+    target's ``lib_params``, a partition's ``fallback_params``) places in bundle members, each
+    member read once through ``read``. ValueError naming the spec when one does not fit."""
+    blobs: dict[str, bytes] = {}
+    out = []
+    for i, spec in enumerate(specs):
+        try:
+            member = spec["member"]
+            if member not in blobs:
+                blobs[member] = read(member)
+            a = blob_array(blobs[member], spec)
+            perm = spec.get("perm")
+            if perm is not None:
+                if sorted(perm) != list(range(a.ndim)):
+                    raise ValueError(f"perm {perm} does not fit {list(a.shape)}")
+                a = a.transpose(perm)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"[{i}] in {spec.get('member') if isinstance(spec, Mapping) else spec!r}: "
+                             f"{err}") from None
+        out.append(a)
+    return out
+
+
+def fallback_function(format_version: Any, symbol: str) -> str:
+    """The function of a subgraph's TVM fallback library that runs it (``<it>_transform_params``
+    turns its weights into what it takes): ``main`` of its own library before format_version 4,
+    ``<symbol>`` of the target's one library since."""
+    ok = isinstance(format_version, int) and format_version >= FALLBACK_LIB_FORMAT_VERSION
+    return symbol if ok else "main"
 
 
 def normalize_arch(arch: str) -> str:
@@ -417,7 +513,7 @@ def write_bundle(out_path: PathLike, manifest: Mapping[str, Any],
            else load_private_key(private_key))
 
     man = copy.deepcopy(dict(manifest))
-    man["format_version"] = FORMAT_VERSION if man.get("tail") else PLAIN_FORMAT_VERSION
+    man["format_version"] = format_version_for(man)
     # Temp file in the same directory, so os.replace is an atomic rename on one filesystem.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     tmp = Path(tmp_name)
@@ -649,7 +745,17 @@ class Bundle:
         if type(ver) is not int or ver not in ORDER_VERSIONS:
             raise FormatVersionError(f"{self.path}: order {name!r} has order_version {ver!r}; "
                                      f"this agent supports {', '.join(map(str, ORDER_VERSIONS))}")
+        if ver >= orders.SCALE_REF_ORDER_VERSION:   # scale lists may be references into the blob
+            try:
+                order = orders.resolve_scales(order, self.weights(symbol))
+            except ValueError as e:
+                raise NotABundle(f"{self.path}: order {name!r}: {e}") from None
         return order
+
+    def library(self, member: str) -> bytes:
+        """A TVM library member's bytes as the loader takes them (unpacked when PACKED)."""
+        data = self.read(member)
+        return unpack_lib(data, member) if member.endswith(PACKED) else data
 
     def weights(self, symbol: str) -> bytes:
         """Raw weights blob of ``symbol`` (offsets are in the order's ``weights`` table)."""

@@ -28,11 +28,20 @@ from typing import Any
 # float layer list), so agents that know only 1 still run float bundles, and an agent refuses a
 # quantized or onnx order it cannot read instead of computing something else. 4: the order may be
 # of kind "rknn" (an RK3588 NPU model beside its ONNX rendering); older kinds keep their versions.
-ORDER_VERSION = 4
-ORDER_VERSIONS = (1, 2, 3, 4)
+# 5: a long list of quant scales may be a reference {"offset", "count"} to float32s in the order's
+# weights blob (scale_refs_out): EfficientNet-Lite0 INT8 carried its per-channel scales three times,
+# as JSON text (0.71 MB), in the ONNX rendering and in the TVM fallback's parameters; now once, as
+# bytes all three read. A long zero_point list of one value may be {"fill", "count"} (per-channel
+# int8 kernels are symmetric: 0.09 of that model's 0.12 MB of order JSON were zeros). Readers
+# resolve both first (resolve_scales; hmod.Bundle.order).
+ORDER_VERSION = 5
+ORDER_VERSIONS = (1, 2, 3, 4, 5)
 QUANT_ORDER_VERSION = 2
 ONNX_ORDER_VERSION = 3
 RKNN_ORDER_VERSION = 4
+SCALE_REF_ORDER_VERSION = 5
+#: scale lists at least this long go to the blob (a per-tensor scale stays inline)
+SCALE_REF_MIN = 16
 
 # What runs an order on a device (the agent's executor registry implements each; profiles and the
 # manifest's executor hints name them). FALLBACK is the order compiled by TVM alone: it runs
@@ -241,6 +250,76 @@ def quant_of(spec: Mapping, what: str = "tensor") -> Quant | None:
 # is also one in TFLite's depthwise layout [1, KH, KW, C*M] (quantized_dimension 3) under its name
 # + TFLITE_1HWO; a bias's scales are the float32 products input scale x kernel scale.
 TFLITE_1HWO = ":1HWO"
+
+
+def _quant_specs(order: Mapping):
+    for table in ("tensors", "weights"):
+        for spec in (order.get(table) or {}).values():
+            if isinstance(spec, Mapping) and isinstance(spec.get("quant"), Mapping):
+                yield spec["quant"]
+
+
+def scale_refs_out(order: Mapping, blob: bytes, *, min_count: int = SCALE_REF_MIN) -> tuple[dict, bytes]:
+    """(order, blob) with every scale list of at least ``min_count`` moved to the end of the blob
+    as float32 (64-byte aligned, equal lists once) and referred to, and every zero_point list that
+    long of one value written as {fill, count}; order_version 5 if any changed."""
+    import copy
+
+    import numpy as np
+
+    out, data, at = copy.deepcopy(dict(order)), bytearray(blob), {}
+    filled = False
+    for q in _quant_specs(out):
+        zp = q.get("zero_point")
+        if isinstance(zp, list) and len(zp) >= min_count and len(set(zp)) == 1:
+            q["zero_point"], filled = {"fill": zp[0], "count": len(zp)}, True
+        scale = q.get("scale")
+        if not isinstance(scale, list) or len(scale) < min_count:
+            continue
+        raw = np.asarray(scale, "<f4").tobytes()
+        if raw not in at:
+            data.extend(b"\0" * (-len(data) % 64))
+            at[raw] = len(data)
+            data.extend(raw)
+        q["scale"] = {"offset": at[raw], "count": len(scale)}
+    if at or filled:
+        out["order_version"] = SCALE_REF_ORDER_VERSION
+    return out, bytes(data)
+
+
+def scale_refs(order: Mapping) -> list[tuple[int, int]]:
+    """(offset, nbytes) in the blob of every referred scale list (order_version 5)."""
+    return [(int(q["scale"]["offset"]), 4 * int(q["scale"]["count"]))
+            for q in _quant_specs(order) if isinstance(q.get("scale"), Mapping)]
+
+
+def resolve_scales(order: Mapping, blob: bytes) -> dict:
+    """The order with its scale references read from the blob as lists (a copy when there are
+    any); ValueError for a reference that is not float32s inside the blob."""
+    if not any(isinstance(q.get(k), Mapping) for q in _quant_specs(order) for k in ("scale", "zero_point")):
+        return dict(order)
+    import copy
+
+    import numpy as np
+
+    out = copy.deepcopy(dict(order))
+    for q in _quant_specs(out):
+        fill = q.get("zero_point")
+        if isinstance(fill, Mapping):
+            v, n = fill.get("fill"), fill.get("count")
+            if type(v) is not int or type(n) is not int or not 0 < n <= 1 << 20:
+                raise ValueError(f"a quant zero_point {dict(fill)} is not {{fill: an integer, count: 1..{1 << 20}}}")
+            q["zero_point"] = [v] * n
+        ref = q.get("scale")
+        if not isinstance(ref, Mapping):
+            continue
+        off, n = ref.get("offset"), ref.get("count")
+        if (type(off) is not int or type(n) is not int or off < 0 or n < 1 or off % 4
+                or off + 4 * n > len(blob)):
+            raise ValueError(f"a quant scale reference {dict(ref)} is not float32s inside the "
+                             f"{len(blob)}-byte weights blob")
+        q["scale"] = [float(x) for x in np.frombuffer(blob, "<f4", n, off)]
+    return out
 
 
 def is_quantized(order: Mapping) -> bool:

@@ -18,7 +18,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-PROBE_VERSION = 1
+# 2: the sampled indices are generated (``sample_indices``: n{j}, p{j}) instead of stored, and
+# integer outputs keep their dtype: an INT8 order's probe was int32 indices + float32 values per
+# element, 8 bytes for a 1-byte code (EfficientNet-Lite0 INT8: 0.59 of its 8.69 MB). Readers take 1 and 2;
+# only format-4 bundles (hmod.FALLBACK_LIB_FORMAT_VERSION: every bundle with an ACL order) hold version 2.
+PROBE_VERSION = 2
+PROBE_VERSIONS = frozenset({1, PROBE_VERSION})
 
 #: output elements recorded per output: 64 KiB of values, enough to see a defect that touches
 #: 0.1% of an output (the agent's threshold) ~16 times over; an output this small is kept whole
@@ -71,38 +76,73 @@ def _uniform(z: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
+def sample_indices(n: int, p: int) -> np.ndarray:
+    """The flat indices a version-2 probe samples of an ``n``-element output: k*p mod n for
+    k < min(n, SAMPLE), sorted. ``p`` is coprime to n, so they are distinct, and large, so they
+    spread over every channel and position (no random generator: its stream may change between
+    numpy versions)."""
+    k = min(n, SAMPLE)
+    return np.sort((np.arange(k, dtype=np.int64) * p) % n) if n else np.zeros(0, np.int64)
+
+
+def _multiplier(n: int) -> int:
+    p = 1_000_003  # a prime: coprime to every n it does not divide
+    while n % p == 0:
+        p += 2
+        while any(p % d == 0 for d in range(3, int(p ** 0.5) + 1, 2)):
+            p += 2
+    return p
+
+
 def pack(outputs: Sequence[np.ndarray]) -> bytes:
-    """The recorded sample of each output (flat indices, values) as one .npz member."""
-    arrays = {}
+    """The recorded sample of each output (its size and multiplier, and the values at
+    ``sample_indices``) as one .npz member."""
+    arrays: dict[str, np.ndarray] = {"version": np.int64(PROBE_VERSION)}
     for j, a in enumerate(outputs):
-        flat = np.asarray(a, np.float32).reshape(-1)
-        if flat.size > SAMPLE:
-            idx = np.sort(np.random.default_rng(j).choice(flat.size, SAMPLE, replace=False))
-        else:
-            idx = np.arange(flat.size)
-        arrays[f"i{j}"], arrays[f"v{j}"] = idx.astype(np.int64 if flat.size >= 2 ** 31 else np.int32), flat[idx]
+        a = np.asarray(a)
+        flat = a.reshape(-1) if a.dtype.kind in "iub" else a.astype(np.float32).reshape(-1)
+        p = _multiplier(flat.size)
+        arrays[f"n{j}"], arrays[f"p{j}"] = np.int64(flat.size), np.int64(p)
+        arrays[f"v{j}"] = flat[sample_indices(flat.size, p)]
     buf = io.BytesIO()
-    # compressed: bundles store members as they are, and sorted indices shrink ~3x (PicoDet's eight
-    # outputs: 1.1 MB -> 0.46 MB, 1.8% of its bundle)
-    np.savez_compressed(buf, version=np.int64(PROBE_VERSION), **arrays)
+    np.savez_compressed(buf, **arrays)
     return buf.getvalue()
 
 
 def unpack(data: bytes) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``pack``'s member back as (flat indices, values) per output; ValueError when it is not one."""
+    """``pack``'s member back as (flat indices, float32 values) per output; ValueError when it is
+    not one."""
     try:
         z = np.load(io.BytesIO(data), allow_pickle=False)
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError("an array, not an .npz archive")
         with z:
             version = int(z["version"])
+            if version not in PROBE_VERSIONS:
+                raise _Version(version)
             n = sum(1 for k in z.files if k[0] == "v" and k[1:].isdigit())
-            recorded = [(z[f"i{j}"], z[f"v{j}"]) for j in range(n)]
+            recorded = []
+            for j in range(n):
+                v = z[f"v{j}"].astype(np.float32)
+                if version == 1:
+                    idx = z[f"i{j}"]
+                else:
+                    size, p = int(z[f"n{j}"]), int(z[f"p{j}"])
+                    if not 0 <= size < 2 ** 40 or p < 1 or (size and math.gcd(size, p) != 1):
+                        raise ValueError(f"output {j}: size {size}, multiplier {p}")
+                    idx = sample_indices(size, p)
+                if idx.shape != v.shape:
+                    raise ValueError(f"output {j}: {idx.size} indices, {v.size} values")
+                recorded.append((idx, v))
+    except _Version as e:
+        raise ValueError(f"probe version {e.args[0]}, this reader knows {sorted(PROBE_VERSIONS)}") from None
     except Exception as e:  # whatever numpy and zipfile raise for bytes that are no .npz
         raise ValueError(f"not a probe member ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
-    if version != PROBE_VERSION:
-        raise ValueError(f"probe version {version}, this reader knows {PROBE_VERSION}")
     return recorded
+
+
+class _Version(Exception):
+    pass
 
 
 def sampled(outputs: Sequence[np.ndarray], recorded: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:

@@ -219,18 +219,38 @@ class HybridModule:
                     raise RuntimeError_(f"no executor can run {symbol}: " + "; ".join(reasons))
             self._tail_session = self._tail(bundle)
             lib_path = workdir / f"{self.target}.so"
-            lib_path.write_bytes(bundle.read(self.manifest["targets"][self.target]["lib"]))
+            lib_path.write_bytes(bundle.library(self.manifest["targets"][self.target]["lib"]))
             self.dev = tvm.cpu()
             try:
                 self.vm = VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
             except Exception as err:
                 raise RuntimeError_(f"cannot load the {self.target} lib: {_first_line(err)}") from None
+            self._params = self._lib_params(bundle)
         except BaseException:
             self.close()
             raise
         self._tvm = tvm
         self._args = None
         self.inputs = self.manifest["inputs"]
+
+    def _lib_params(self, bundle: hmod.Bundle) -> list:
+        """The main module's weights (format 4 ``lib_params``: one member for every target's lib),
+        turned once by ``main_transform_params`` into what ``main`` takes after its inputs."""
+        specs = self.manifest["targets"][self.target].get("lib_params")
+        if not specs:
+            return []
+        try:
+            arrays = hmod.param_arrays(bundle.read, specs)
+        except ValueError as err:
+            raise RuntimeError_(f"the {self.target} lib's lib_params{err}; recompile the model") from None
+        import tvm
+
+        try:
+            raw = [tvm.runtime.tensor(np.ascontiguousarray(a), self.dev) for a in arrays]
+            return list(self.vm["main_transform_params"](raw))
+        except Exception as err:
+            raise RuntimeError_(f"the {self.target} lib does not take its lib_params: {_first_line(err)}; "
+                                "recompile the model") from None
 
     @staticmethod
     def _tail(bundle: hmod.Bundle):
@@ -280,7 +300,7 @@ class HybridModule:
         for t, a in zip(self._args, inputs):     # the tail reads them too: in the manifest's dtypes
             t.copyfrom(a)
         try:
-            out = self.vm["main"](*self._args)
+            out = self.vm["main"](*self._args, *self._params)
         except Exception as err:
             raise RuntimeError_(f"inference failed: {_first_line(err)}") from None
         outs = [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]

@@ -139,9 +139,10 @@ def test_good_bundles_run(base, signed, keys):
 
 
 def test_flipped_byte_in_a_lib(base, tmp_path):
-    code, msg = refused(flip_byte(base, tmp_path / "b.hmod", "lib/host.so"))
+    lib = manifest_of(base)["targets"]["host"]["lib"]
+    code, msg = refused(flip_byte(base, tmp_path / "b.hmod", lib))
     assert code == hmod.HashMismatch.exit_code == 12
-    assert "lib/host.so" in msg
+    assert lib in msg
 
 
 def test_flipped_byte_in_an_order_json(base, tmp_path):
@@ -202,7 +203,7 @@ def test_another_architecture_only(base, keys, tmp_path):
         for t, v in man["targets"].items():
             if t not in keep:
                 members.pop(v["lib"])
-                for m in v["fallback"].values():
+                for m in set(v["fallback"].values()):   # one library for all since format 4
                     members.pop(m)
         man["targets"] = keep
 

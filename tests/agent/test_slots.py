@@ -30,8 +30,13 @@ from tandoor_zoo import models as zoo
 
 # --- helpers -----------------------------------------------------------------------------------
 
+HOST_LIB = "host lib"   # flip_byte's name for the host target's lib member (packed in format 4)
+
+
 def flip_byte(src: Path, dst: Path, member: str) -> Path:
     with zipfile.ZipFile(src) as z:
+        if member == HOST_LIB:
+            member = json.loads(z.read(hmod.MANIFEST))["targets"]["host"]["lib"]
         info = z.getinfo(member)
     data = bytearray(src.read_bytes())
     local = data[info.header_offset:info.header_offset + 30]
@@ -86,7 +91,7 @@ def B(bundles_dir, keys, tmp_path_factory) -> dict[str, Path]:
     out = {v: rewrite(base, d / f"{v}.hmod", version(v[1:]), keys["k1"]) for v in ("v1", "v2", "v3")}
     out["k2"] = rewrite(base, d / "k2.hmod", version("9"), keys["k2"])
     out["unsigned"] = rewrite(base, d / "unsigned.hmod", version("9"))
-    out["tampered"] = flip_byte(out["v2"], d / "tampered.hmod", "lib/host.so")
+    out["tampered"] = flip_byte(out["v2"], d / "tampered.hmod", HOST_LIB)
     here = hmod.machine_arch()
 
     def other_arch_only(man, members):
@@ -284,7 +289,7 @@ def test_same_job_twice_is_a_no_op(store, B, keys):
 @pytest.mark.parametrize("which,kind,code,phrase", [
     ("k2", "bad_signature", 14, "does not verify with any trusted key"),
     ("unsigned", "unsigned", 15, "is not signed but trusted keys are configured"),
-    ("tampered", "hash_mismatch", 12, "'lib/host.so'"),
+    ("tampered", "hash_mismatch", 12, "'lib/host.so"),
     ("wrong_arch", "wrong_arch", 17, f"has no lib for {hmod.machine_arch()}"),
     ("future", "format_version", 16, f"has format_version {hmod.FORMAT_VERSION + 1}"),
     ("truncated", "not_a_bundle", 10, "is not a readable zip"),
@@ -465,7 +470,7 @@ def test_nothing_safe_to_serve_refuses_to_start_in_one_line(tmp_path, B, keys):
     committed(store, B["v1"], "j1", pub)
     committed(store, B["v2"], "j2", pub)
     for s_ in ("a", "b"):
-        flip_byte(store.bundle_path(s_), store.bundle_path(s_), "lib/host.so")
+        flip_byte(store.bundle_path(s_), store.bundle_path(s_), HOST_LIB)
     (store.dir / "state.json").write_bytes(b'{"version": 1, "prim')
     (store.dir / "state.json.prev").write_bytes(b"")
     cfg = write_config(tmp_path / "agent.toml", device_id="broken", slot_dir=str(store.dir), trusted_keys=[str(pub)],
@@ -495,7 +500,7 @@ def test_corrupt_state_and_a_damaged_bundle(store, B, keys):
     pub = keys["k1.pub"]
     committed(store, B["v1"], "j1", pub)
     committed(store, B["v2"], "j2", pub)
-    flip_byte(store.bundle_path("a"), store.bundle_path("a"), "lib/host.so")
+    flip_byte(store.bundle_path("a"), store.bundle_path("a"), HOST_LIB)
     (store.dir / "state.json").write_text("not json")
     (store.dir / "state.json.prev").unlink()
     fresh = SlotStore(store.dir, trusted_keys=[pub])
@@ -667,7 +672,7 @@ def _crash_image(store: SlotStore, B, pub, where: str) -> None:
         store.rollback("test")
     elif where == "primary's bundle damaged, other slot good":
         committed(store, B["v2"], "j2", pub)
-        flip_byte(store.bundle_path("b"), store.bundle_path("b"), "lib/host.so")
+        flip_byte(store.bundle_path("b"), store.bundle_path("b"), HOST_LIB)
     elif where == "staging leftovers":
         (d / "staging" / "j2.hmod.part.tmp").write_bytes(b"partial")
     else:
@@ -856,7 +861,8 @@ def _hostile_cases(base: bytes, rng) -> list[tuple[str, bytes]]:
         info = zipfile.ZipInfo("lib/host.so")
         info.external_attr = mode << 16
         cases.append((what, _zip_with([("manifest.json", man), (info, b"/etc/passwd")])))
-    cases.append(("duplicate member", _zip_with([("manifest.json", man), *members.items(), ("lib/host.so", b"evil")])))
+    lib = json.loads(man)["targets"]["host"]["lib"]
+    cases.append(("duplicate member", _zip_with([("manifest.json", man), *members.items(), (lib, b"evil")])))
     cases.append(("extra member of 20 MiB", _zip_with([*members.items(), ("lib/extra.so", bytes(20 << 20))])))
     cases.append(("manifest of 8 MiB", _zip_with([("manifest.json", b" " * (8 << 20) + man),
                                                    *[(n, d) for n, d in members.items() if n != "manifest.json"]])))

@@ -498,8 +498,10 @@ def crashing_bundle(B: dict, out: Path) -> Path:
 
     man, members = members_of(B["v2"])
     lib_name = man["targets"]["host"]["lib"]
+    packed = lib_name.endswith(hmod.PACKED)      # format 4: zlib data
+    elf = hmod.unpack_lib(members[lib_name], lib_name) if packed else members[lib_name]
     so = out.with_suffix(".so")
-    so.write_bytes(members[lib_name])
+    so.write_bytes(elf)
     loads = [tuple(int(x, 16) for x in m.groups()) for m in _re.finditer(
         r"LOAD\s+(0x[0-9a-f]+)\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+\s+(0x[0-9a-f]+)",
         subprocess.run(["readelf", "-lW", str(so)], capture_output=True, text=True, check=True).stdout)]
@@ -507,11 +509,11 @@ def crashing_bundle(B: dict, out: Path) -> Path:
         ["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout.splitlines()
         if ln.count(" ") == 2) if t == "T" and n.startswith("__tvm_ffi_") and n != "__tvm_ffi__library_bin"]
     assert syms, "no TVM kernels in the host library"
-    lib = bytearray(members[lib_name])
+    lib = bytearray(elf)
     for addr, _ in syms:
         off, vaddr, size = next((o, v, s) for o, v, s in loads if v <= addr < v + s)
         lib[addr - vaddr + off:addr - vaddr + off + 2] = b"\x0f\x0b"  # ud2
-    members[lib_name] = bytes(lib)
+    members[lib_name] = hmod.pack_lib(bytes(lib)) if packed else bytes(lib)
     man.pop("files")
     man["model"]["version"] = "crash"
     hmod.write_bundle(out, man, members, private_key=B["pub"].parent / "k1.pem")

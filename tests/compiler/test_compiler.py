@@ -8,6 +8,7 @@ import pytest
 
 from support.cli import compiled, manifest_of, run_cli
 from tandoor_compiler import frontend, importer, partition, passes
+from tandoor_contract import hmod
 from tandoor_zoo import models as zoo
 
 CNNS = sorted(zoo.ALL_CNNS)
@@ -76,14 +77,15 @@ def test_compile_host_and_aarch64_then_verify(name, bundles_dir):
     m = manifest_of(out)
     assert set(m["targets"]) == {"host", "aarch64"}
     assert m["targets"]["aarch64"]["arch"] == "aarch64"
-    assert m["format_version"] == 2 and all(g["inputs"] == "probe" for g in m["golden"])
+    # one fallback library per target: format 4 (hmod.format_version_for)
+    assert m["format_version"] == 4 and all(g["inputs"] == "probe" for g in m["golden"])
     assert 0.9 <= m["delegation_ratio"] <= 1.0
     assert m["ops_delegated"] <= m["ops_total"]
     import zipfile
 
     with zipfile.ZipFile(out) as z:
-        elf = z.read("lib/aarch64.so")
-        host = z.read("lib/host.so")
+        elf = hmod.unpack_lib(z.read(hmod.packed_lib("aarch64")), "aarch64")   # format 4: packed
+        host = hmod.unpack_lib(z.read(hmod.packed_lib("host")), "host")
     assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183   # EM_AARCH64
     assert int.from_bytes(host[18:20], "little") == 62                                # EM_X86_64
     res = run_cli("tandoor", "verify", str(out), "--reference", str(model), "--json")
@@ -103,13 +105,17 @@ def test_compile_host_and_aarch64_then_verify(name, bundles_dir):
         blob = size[p["weights"]]
         assert size[p["onnx"]] < 0.05 * blob + 65536, (p["symbol"], size[p["onnx"]], blob)
         assert p["onnx_external"] == {f"{p['symbol']}.bin": p["weights"]}
-        for t in m["targets"].values():
-            assert size[t["fallback"][p["symbol"]]] < 0.3 * blob + 300_000, (t, size[t["fallback"][p["symbol"]]], blob)
         params = p["fallback_params"]
         assert params and sum(q["nbytes"] for q in params) >= 0.9 * blob
         in_blob = sum(q["nbytes"] for q in params if q["member"] == p["weights"])
         assert in_blob >= 0.95 * sum(q["nbytes"] for q in params)
-    assert sum(size.values()) < 1.3 * sum(size[p["weights"]] for p in m["partitions"] if p["delegate"]) + 2_000_000
+    blobs = sum(size[p["weights"]] for p in m["partitions"] if p["delegate"])
+    # one fallback library per target, a function per subgraph, and no weights in it
+    delegated = {p["symbol"] for p in m["partitions"] if p["delegate"]}
+    for name_, t in m["targets"].items():
+        assert t["fallback"] == dict.fromkeys(delegated, hmod.fallback_lib(name_)), t["fallback"]
+        assert size[hmod.fallback_lib(name_)] < 0.3 * blobs + 300_000, (name_, blobs)
+    assert sum(size.values()) < 1.3 * blobs + 2_000_000
 
 
 def test_verify_fails_against_a_different_model(bundles_dir):

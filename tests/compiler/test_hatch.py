@@ -140,7 +140,9 @@ def test_an_op_whose_output_size_depends_on_the_data_ends_the_model_in_onnxrunti
     run_cli("tandoor", "compile", str(model), "-o", str(bundle), "--target", "aarch64", "--measure", "off",
             "--policy", "all", check=True)
     man = manifest_of(bundle)
-    assert man["format_version"] == 3 and man["tail"]["kind"] == "onnx"
+    # a tail is format 3; its ACL orders' one fallback library per target makes it 4
+    assert man["format_version"] == (4 if any(p["delegate"] for p in man["partitions"]) else 3)
+    assert man["tail"]["kind"] == "onnx"
     assert man["tail"]["ops"][0] == f"onnx.{first}" and not any(p.get("kind") == "onnx" for p in man["partitions"])
     info = json.loads(run_cli("tandoor", "inspect", str(bundle), "--json", check=True).stdout)
     assert any(r["op"] == first and "depends on the data" in r["reason"] for r in info["onnxruntime_ops"])

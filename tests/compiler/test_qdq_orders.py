@@ -35,7 +35,7 @@ def qdq(request, tmp_path_factory) -> tuple[str, str, object]:
 def _quantized_orders(path) -> list[dict]:
     b = hmod.open_bundle(path)
     return [b.order(p["symbol"]) for p in b.manifest["partitions"] if p["delegate"]
-            and b.order(p["symbol"])["order_version"] == 2]
+            and b.order(p["symbol"])["order_version"] in (orders.QUANT_ORDER_VERSION, orders.SCALE_REF_ORDER_VERSION)]
 
 
 def test_int8_grid_recovers_the_codes_and_scales_of_a_folded_dequantize():
@@ -103,3 +103,73 @@ def test_the_int8_bundle_matches_onnxruntimes_int8_run_on_each_executor(qdq, del
     assert ran == {s: delegate for s in quantized}, rep["subgraphs"]
     step = manifest_of(paths["hmod"])["quantized"]["steps"]["logits"]
     assert rep["atol"] <= 5 * step
+
+
+def test_per_channel_scales_are_stored_once_in_the_blob_for_every_reader(qdq):
+    """order_version 5: the order JSON refers to its per-channel scales in the weights blob, the
+    ONNX rendering reads them there as external data, and the TVM fallback's scale parameters are
+    ranges of the same blob; Bundle.order gives them back as the lists they were."""
+    import onnx
+
+    weights, acts, paths = qdq
+    b = hmod.open_bundle(paths["hmod"])
+    for p in b.manifest["partitions"]:
+        if not p["delegate"]:
+            continue
+        raw = json.loads(b.read(p["order"]))
+        refs = orders.scale_refs(raw)
+        assert bool(refs) == (raw["order_version"] == 5)
+        if weights == "per-channel" and any(op["type"] == "conv2d" for op in raw["ops"]):
+            assert refs, raw["symbol"]                 # 16 channels: at least SCALE_REF_MIN
+        order = b.order(p["symbol"])
+        for spec in list(order["weights"].values()) + list(order["tensors"].values()):
+            orders.quant_of(spec)                      # resolved: lists again
+        model = onnx.ModelProto()
+        model.ParseFromString(b.read(p["onnx"]))
+        inline = [t.name for t in model.graph.initializer
+                  if t.data_location != onnx.TensorProto.EXTERNAL and t.data_type == onnx.TensorProto.FLOAT
+                  and len(t.dims) == 1 and t.dims[0] >= orders.SCALE_REF_MIN]
+        assert inline == []                            # no per-channel scale copied into the rendering
+        zps = [t.name for t in model.graph.initializer if t.name.endswith("__zp") and len(t.dims) == 1
+               and t.dims[0] >= orders.SCALE_REF_MIN and t.data_location != onnx.TensorProto.EXTERNAL]
+        assert zps == []                               # nor its zero points: the zeros the blob ends with
+        zero_params = [f for f in p["fallback_params"] if f["member"] != p["weights"] and f["dtype"] == "int8"]
+        assert zero_params == []
+        at = {off for off, _ in refs}
+        fb_scales = [f for f in p["fallback_params"] if f["dtype"] == "float32" and f["offset"] in at
+                     and f["member"] == p["weights"]]
+        assert bool(fb_scales) == bool(refs)
+
+
+def test_the_tvm_side_keeps_int8_kernels_once_for_every_target(qdq, tmp_path):
+    """Nothing delegated (--policy none): the TVM main module computes the whole QDQ model, and its
+    weights are not in the libraries but in one lib_params member both targets read, the quantized
+    kernels as their int8 codes (format 4); the bundle still matches onnxruntime's int8 run, and a
+    lib_params range that does not fit is refused in one line."""
+    weights, acts, paths = qdq
+    if (weights, acts) != ("per-channel", "int8"):
+        pytest.skip("one quantization is enough here")
+    out = tmp_path / "tvm.hmod"
+    res = run_cli("tandoor", "compile", str(paths["qdq"]), "-o", str(out), "-q", "--policy", "none",
+                  "--target", "aarch64", "--measure", "off")
+    assert res.returncode == 0, res.stderr
+    man = manifest_of(out)
+    assert man["format_version"] == 4 and not any(p["delegate"] for p in man["partitions"])
+    specs = {t: v["lib_params"] for t, v in man["targets"].items()}
+    assert set(specs) == {"host", "aarch64"} and specs["host"] == specs["aarch64"]
+    assert {s["member"] for s in specs["host"]} == {hmod.LIB_PARAMS}
+    kernels = [s for s in specs["host"] if s["dtype"] == "int8" and len(s["shape"]) >= 2]
+    assert len(kernels) == 4, specs["host"]            # three convs and the dense layer, as int8 codes
+    rep = run_cli("tandoor", "verify", str(out), "--reference", str(paths["qdq"]), "--json")
+    v = json.loads(rep.stdout)
+    assert rep.returncode == 0 and v["ok"] and v["max_abs_err"] <= v["atol"], rep.stdout + rep.stderr
+
+    from support.bundle_edit import rewrite
+
+    def grow(manifest, members):
+        for t in manifest["targets"].values():
+            t["lib_params"][0]["nbytes"] += 1
+    bad = rewrite(out, tmp_path / "bad.hmod", grow)
+    res = run_cli("tandoor-agent", "run", str(bad))
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert "lib_params[0]" in res.stderr and "recompile the model" in res.stderr, res.stderr

@@ -313,6 +313,34 @@ def test_format_version(tmp_path: Path) -> None:
         hmod.open_bundle(bad)
 
 
+def test_one_fallback_library_per_target_is_format_4_and_older_readers_refuse_it(tmp_path: Path, monkeypatch) -> None:
+    """The writer picks the oldest format that holds the manifest: 4 only for one fallback library
+    per target (a function per subgraph since), so an agent that knows 1-3 refuses it by its
+    version check, in one line, and still runs every other bundle."""
+    base = {"model": {"name": "m", "version": "1"}, "inputs": [], "outputs": []}
+    one = {"host": {"lib": "lib/host.so", "fallback": dict.fromkeys(["m_acl_0", "m_acl_1"], hmod.fallback_lib("host"))}}
+    old = {"host": {"lib": "lib/host.so", "fallback": {"m_acl_0": "fallback/host/m_acl_0.so"}}}
+    for targets, want in ((one, 4), (old, 2), ({}, 2)):
+        assert hmod.format_version_for({**base, "targets": targets}) == want
+    written = hmod.write_bundle(tmp_path / "v4.hmod", {**base, "targets": one}, {"lib/host.so": b"l", hmod.fallback_lib("host"): hmod.pack_lib(b"f")})
+    assert written["format_version"] == hmod.FALLBACK_LIB_FORMAT_VERSION == 4
+    assert [hmod.fallback_function(v, "m_acl_1") for v in (1, 2, 3, 4, None)] == ["main"] * 3 + ["m_acl_1", "main"]
+    monkeypatch.setattr(hmod, "SUPPORTED_FORMAT_VERSIONS", frozenset({1, 2, 3}))   # an agent before 4
+    with pytest.raises(FormatVersionError, match=r"has format_version 4; this agent supports \[1, 2, 3\]") as e:
+        hmod.open_bundle(tmp_path / "v4.hmod")
+    assert "\n" not in str(e.value) and e.value.exit_code == 16
+
+
+def test_a_packed_library_unpacks_and_a_bomb_or_garbage_is_refused(monkeypatch) -> None:
+    lib = b"\x7fELF" + bytes(range(256)) * 64
+    assert hmod.unpack_lib(hmod.pack_lib(lib), "fallback/host.so.z") == lib
+    monkeypatch.setattr(hmod, "UNPACKED_MAX", 1 << 20)
+    for data, why in ((hmod.pack_lib(bytes(2 << 20)), "more than 1048576 bytes"),
+                      (b"not zlib", "no packed library"), (hmod.pack_lib(lib)[:-9], "truncated")):
+        with pytest.raises(hmod.NotABundle, match=why):
+            hmod.unpack_lib(data, "fallback/host.so.z")
+
+
 def test_order_version(tmp_path: Path) -> None:
     members = _members(tmp_path)
     members["orders/demo_acl_0.json"] = json.dumps({**ORDER, "order_version": 7}).encode()

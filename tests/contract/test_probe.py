@@ -36,6 +36,33 @@ def test_pack_keeps_small_outputs_whole_and_samples_big_ones():
         probe.sampled([small, big[:10]], recorded)
 
 
+def test_pack_stores_no_indices_and_keeps_integer_codes_in_their_dtype():
+    import io
+
+    codes = np.random.default_rng(2).integers(-128, 128, (1, 56, 56, 24), dtype=np.int8)
+    data = probe.pack([codes])
+    with np.load(io.BytesIO(data)) as z:
+        assert sorted(z.files) == ["n0", "p0", "v0", "version"] and z["v0"].dtype == np.int8
+    (idx, values), = probe.unpack(data)
+    assert values.dtype == np.float32 and len(np.unique(idx)) == probe.SAMPLE
+    assert np.array_equal(values, codes.reshape(-1)[idx].astype(np.float32))
+    # spread over the whole output: every one of the 24 channels and most rows are sampled
+    assert len(np.unique(idx % 24)) == 24 and len(np.unique(idx // (56 * 24))) == 56
+    # a multiple of the usual multiplier still gets distinct indices
+    n = 1_000_003 * 2
+    assert len(np.unique(probe.sample_indices(n, probe._multiplier(n)))) == probe.SAMPLE
+    assert len(data) < probe.SAMPLE * 1.2   # about a byte per code (version 1: 8)
+
+
+def test_a_version_1_probe_is_still_read():
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, version=np.int64(1), i0=np.array([1, 5, 7], np.int32), v0=np.array([0.5, 1.5, 2.5], np.float32))
+    (idx, values), = probe.unpack(buf.getvalue())
+    assert idx.tolist() == [1, 5, 7] and values.tolist() == [0.5, 1.5, 2.5]
+
+
 def test_a_member_that_is_no_probe_is_refused_in_one_line():
     for data in (b"not a zip", probe.pack([np.zeros(3, np.float32)])[:40]):
         with pytest.raises(ValueError, match="not a probe member"):

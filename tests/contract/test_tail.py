@@ -25,7 +25,7 @@ def test_the_tail_reads_inputs_and_vm_outputs_by_name_and_orders_the_model_outpu
     assert all(a is b for a, b in zip(tail.finish(None, [image], vm, run), vm))   # no tail: the VM gives the outputs
 
 
-def test_a_bundle_is_format_3_only_with_a_tail(tmp_path):
+def test_a_bundle_is_format_3_only_with_a_tail_and_no_fallback_library(tmp_path):
     base = {"model": {"name": "m", "version": "1"}, "inputs": [], "outputs": [], "targets": {}}
     for man, want in ((base, hmod.PLAIN_FORMAT_VERSION), ({**base, "tail": {**TAIL, "onnx": "t.onnx"}}, 3)):
         written = hmod.write_bundle(tmp_path / f"b{want}.hmod", man, {"t.onnx": b"x"})

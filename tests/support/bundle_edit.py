@@ -49,7 +49,7 @@ def shift_probe(member: str):
     def edit(man, members):
         from tandoor_contract import probe
 
-        arrays = {"version": np.int64(probe.PROBE_VERSION)}
+        arrays = {"version": np.int64(1)}   # written back in version 1's form (stored indices)
         for j, (idx, values) in enumerate(probe.unpack(members[member])):
             arrays[f"i{j}"], arrays[f"v{j}"] = idx, np.roll(values, 1)
         buf = io.BytesIO()

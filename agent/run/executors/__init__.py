@@ -144,9 +144,15 @@ def _build_tvm(ctx: BuildContext):
     member = (ctx.bundle.manifest["targets"][ctx.target].get("fallback") or {}).get(ctx.symbol)
     if not member:
         raise Unavailable(f"the bundle has no TVM fallback for {ctx.symbol} on {ctx.target}")
-    path = ctx.workdir / member.replace("/", "_")
-    path.write_bytes(ctx.bundle.read(member))
-    return TvmExecutor(ctx.order, path, fallback_params(ctx.bundle, ctx.part))
+    # format_version 4: one packed library holds every subgraph's fallback, written out once; named
+    # by its hash, so that a library of another bundle in the same directory is never taken for it
+    version = ctx.bundle.manifest.get("format_version")
+    entry = hmod.fallback_function(version, ctx.symbol)
+    sha = str((ctx.bundle.manifest.get("files") or {}).get(member, ""))[:16]
+    path = ctx.workdir / f"{member.replace('/', '_')}.{sha}.so"
+    if not path.exists():
+        path.write_bytes(ctx.bundle.library(member))
+    return TvmExecutor(ctx.order, path, fallback_params(ctx.bundle, ctx.part), entry=entry)
 
 
 def _rknn_available() -> tuple[bool, str]:

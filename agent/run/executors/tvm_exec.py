@@ -21,19 +21,21 @@ from . import Unavailable
 class TvmExecutor:
     name = "tvm"
 
-    def __init__(self, order: dict, lib_path: Path, params: list[np.ndarray] | None = None) -> None:
+    def __init__(self, order: dict, lib_path: Path, params: list[np.ndarray] | None = None, *,
+                 entry: str = "main") -> None:
         """``params``: the weights the fallback was compiled without (manifest fallback_params),
-        turned once here into what ``main`` takes (``main_transform_params``: kernel layouts)."""
+        turned once here into what ``entry`` takes (``<entry>_transform_params``: kernel layouts).
+        ``entry``: the subgraph's function in the library (hmod.fallback_function)."""
         import tvm
         from tvm.runtime.vm import VirtualMachine  # not tvm.relax: the agent has TVM's runtime only
 
         self.dev = tvm.cpu()
         self.vm = VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
-        self._main = self.vm["main"]
+        self._main = self.vm[entry]
         self._params: list = []
         if params:
             raw = [tvm.runtime.tensor(np.ascontiguousarray(p), self.dev) for p in params]
-            self._params = list(self.vm["main_transform_params"](raw))
+            self._params = list(self.vm[f"{entry}_transform_params"](raw))
         # the order's input dtypes: what the fallback's main takes (int8 codes stay int8)
         self._in_dtypes = [np.dtype(str(i.get("dtype", "float32"))) for i in order["inputs"]]
         self.backend = "llvm"
@@ -66,22 +68,7 @@ class TvmExecutor:
 def fallback_params(bundle, part: dict) -> list[np.ndarray]:
     """The TVM fallback's weights (compiled out of its lib): byte ranges of bundle members, each
     transposed by ``perm`` when given."""
-    blobs: dict[str, bytes] = {}
-    out = []
-    for i, spec in enumerate(part.get("fallback_params") or ()):
-        member = spec["member"]
-        if member not in blobs:
-            blobs[member] = bundle.read(member)
-        try:
-            a = hmod.blob_array(blobs[member], spec)
-        except ValueError as err:
-            raise Unavailable(f"fallback_params[{i}] of {part.get('symbol')} in {member}: {err}; "
-                                "recompile the model") from None
-        perm = spec.get("perm")
-        if perm is not None:
-            if sorted(perm) != list(range(a.ndim)):
-                raise Unavailable(f"fallback_params[{i}] of {part.get('symbol')}: perm {perm} does not fit "
-                                    f"{list(a.shape)}; recompile the model")
-            a = a.transpose(perm)
-        out.append(a)
-    return out
+    try:
+        return hmod.param_arrays(bundle.read, part.get("fallback_params") or ())
+    except ValueError as err:
+        raise Unavailable(f"fallback_params{err} of {part.get('symbol')}; recompile the model") from None
