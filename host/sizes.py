@@ -18,6 +18,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("ONNX renderings", "orders/<symbol>.onnx (weights: external data in the order's blob)"),
     ("probes", "orders/<symbol>.probe.npz: the load-time check's reference"),
     ("NPU models", "orders/<symbol>.rknn"),
+    ("per-axis quant", "orders/<symbol>.tflite: per-channel scales for Arm NN's TfLite parser"),
     ("golden", "golden/*.npy: outputs (and format 1's inputs) replayed by the health check"),
     ("manifest", "manifest.json and manifest.sig"),
     ("other", "labels and anything else"),
@@ -35,7 +36,7 @@ def kind_of(name: str) -> str:
         return "golden"
     if name.startswith("orders/"):
         for suffix, kind in ((".probe.npz", "probes"), (".bin", "order weights"), (".json", "order JSON"),
-                             (".onnx", "ONNX renderings"), (".rknn", "NPU models")):
+                             (".onnx", "ONNX renderings"), (".rknn", "NPU models"), (".tflite", "per-axis quant")):
             if name.endswith(suffix):
                 return kind
     return "other"
