@@ -47,7 +47,7 @@ import numpy as np
 from tandoor_contract import agreement, durable, hmod, media, orders, probe
 
 from . import cache as cache_mod
-from . import check_facts, frontend, npu, order_onnx, order_tflite, quantize
+from . import check_facts, frontend, npu, order_onnx, quantize
 from . import rknn as rknn_mod
 from . import profile as profile_mod
 from . import targets as targets_mod
@@ -574,10 +574,8 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
             entry.update(order=f"orders/{p.symbol}.json", weights=f"orders/{p.symbol}.bin", onnx=f"orders/{p.symbol}.onnx",
                          onnx_external={f"{p.symbol}.bin": f"orders/{p.symbol}.bin"},
                          probe=f"orders/{p.symbol}.probe.npz")
-            # per-channel weights: their per-axis quantization for Arm NN's TfLite parser (a few KB)
-            if (per_axis := order_tflite.quant_model(order)) is not None:
-                members[f"orders/{p.symbol}.tflite"] = per_axis
-                entry["tflite"] = f"orders/{p.symbol}.tflite"
+            # per-channel weights: no member for Arm NN's TfLite parser, the agent makes it from the
+            # order (tandoor_contract.order_tflite)
             # The fallback is compiled without its weights: they are passed in at load time, read from
             # the order's blob where the bytes are the same (most are), else from a small params member.
             fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)

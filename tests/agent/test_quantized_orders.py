@@ -382,17 +382,22 @@ PER_CHANNEL = [replace(c, per_channel=True) for c in CASES if not (c.op == "dens
 @needs_armnn
 @pytest.mark.parametrize("case", PER_CHANNEL, ids=str)
 def test_per_channel_op_on_armnn_agrees_with_onnxruntime(case):
-    """Per-axis kernel and bias scales reach Arm NN through the bundle's tflite member (the
-    TensorInfos its TfLite parser makes), conv, depthwise and dense (built as a 1x1 convolution)."""
-    from tandoor_compiler import order_tflite
+    """Per-axis kernel and bias scales reach Arm NN through the TFLite model the executor makes
+    from the order (the TensorInfos its TfLite parser makes), conv, depthwise and dense (built as
+    a 1x1 convolution); the bundle holds nothing for it."""
+    import pyarmnn as ann
 
+    from tandoor_contract import order_tflite
+
+    # the premise: neither binding's TensorInfo takes several scales
+    assert not hasattr(ann.TensorInfo, "SetQuantizationScales")
     b = build(case)
     lo, hi = QRANGE[case.dtype]
     assert np.mean((b.want == lo) | (b.want == hi)) < 0.03 and len(np.unique(b.want)) > 40
-    member = order_tflite.quant_model(b.order)
+    model = order_tflite.quant_model(b.order)
     oc = b.order["weights"]["k"]["shape"][0]
-    assert member is not None and len(member) < 40 * oc + 1024   # scales and zero points only: no weight data
-    with ax.ArmnnExecutor(b.order, b.blob, tflite=member) as ex:
+    assert model is not None and len(model) < 40 * oc + 1024   # scales and zero points only: no weight data
+    with ax.ArmnnExecutor(b.order, b.blob) as ex:
         got = ex.run([b.x])[0]
         kinds = {t for _, t, _ in ex.layer_backends}
         copies = [n for n, _, _ in ex.layer_backends if n == "0:copy"]
@@ -405,40 +410,6 @@ def test_per_channel_op_on_armnn_agrees_with_onnxruntime(case):
     else:
         assert worst <= 1
         assert exact >= 0.95
-
-
-@needs_armnn
-def test_per_axis_kernel_without_the_tflite_member_is_refused_in_one_line():
-    import pyarmnn as ann
-
-    # the premise: neither binding's TensorInfo takes several scales
-    assert not hasattr(ann.TensorInfo, "SetQuantizationScales")
-    b = build(Case("conv", "int8", 1, "relu", per_channel=True))
-    with pytest.raises(ax.UnsupportedOrder) as e:
-        ax.ArmnnExecutor(b.order, b.blob)
-    msg = str(e.value)
-    assert "\n" not in msg
-    assert msg.startswith("op 0 (conv2d -> 'y'): the kernel has per-axis quantization (16 scales on axis 0)")
-    assert "no tflite member" in msg and "onnxruntime" in msg
-
-
-@needs_armnn
-def test_a_tflite_member_that_does_not_fit_the_order_is_refused_in_one_line():
-    from tandoor_compiler import order_tflite
-
-    b = build(Case("depthwise", "int8", 1, None, per_channel=True))
-    conv = build(Case("conv", "int8", 1, None, per_channel=True))
-    renamed = json_copy(b.order)
-    renamed["weights"]["k2"] = renamed["weights"].pop("k")
-    renamed["ops"][0]["weights"]["kernel"] = "k2"
-    member = order_tflite.quant_model(b.order)
-    for order, tflite, why in ((b.order, b"not a flatbuffer", "TfLite parser cannot read the order's per-axis"),
-                               (b.order, member[: len(member) // 2], "TfLite parser cannot read"),
-                               (b.order, order_tflite.quant_model(conv.order), "tensor 'k' has 576 elements, the order's 36|has no tensor 'k:1HWO'"),
-                               (renamed, member, "has no tensor 'k2")):
-        with pytest.raises(ax.UnsupportedOrder, match=why) as e:
-            ax.ArmnnExecutor(order, b.blob, tflite=tflite)
-        assert "\n" not in str(e.value)
 
 
 @needs_armnn

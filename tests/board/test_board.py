@@ -37,7 +37,7 @@ import pytest
 
 from support.cli import ROOT, compiled, manifest_of, run_cli
 from tandoor_compiler import acl
-from tandoor_contract import hmod, orders
+from tandoor_contract import hmod, order_tflite, orders
 from tandoor_zoo import models as zoo
 
 from .boards import TIMEOUT, EmulatedBoard, assert_matches, board_root, reference, run_on_board
@@ -528,7 +528,7 @@ def test_detectors_on_cpuacc_find_the_boxes_their_packages_find(board, bundles_d
 @pytest.mark.parametrize("weights", ["per-tensor", "per-channel"])
 def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bundles_dir, tmp_path, weights):
     """A QDQ model with int8 weights, per tensor or per output channel (the per-axis scales from the
-    bundle's tflite member, through Arm NN's TfLite parser): its quantized orders (order_version 2, or
+    TFLite model the agent makes from the order, through Arm NN's TfLite parser): its quantized orders (order_version 2, or
     5 where long scale lists are in the blob) run on Arm NN with every layer on CpuAcc (ACL's int8 kernels), and the output is within the
     manifest's tolerance, in quantization steps of the output, of onnxruntime's run of the QDQ model
     on the host. Per channel the model is an inverted residual block's convolutions in one order,
@@ -542,7 +542,8 @@ def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bund
     bundle = compiled(f"{'mbconv' if per_channel else 'small'}_int8_{weights.replace('-', '_')}", q, bundles_dir,
                       "--policy", "all")
     with hmod.open_bundle(bundle) as b:
-        quantized = {p["symbol"]: p.get("tflite") for p in b.manifest["partitions"]
+        # per channel: the per-axis TFLite model the agent makes from each order
+        quantized = {p["symbol"]: order_tflite.quant_model(b.order(p["symbol"])) for p in b.manifest["partitions"]
                      if p["delegate"] and orders.is_quantized(b.order(p["symbol"]))}
     assert len(quantized) >= 2
     assert all(quantized.values()) if weights == "per-channel" else not any(quantized.values())

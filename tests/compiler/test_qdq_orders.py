@@ -13,7 +13,7 @@ import pytest
 from support.cli import manifest_of, run_cli
 from support.qdq import quantized_small_cnn
 from tandoor_compiler import acl
-from tandoor_contract import hmod, orders
+from tandoor_contract import hmod, order_tflite, orders
 
 RNG = np.random.default_rng(20261202)
 
@@ -67,13 +67,14 @@ def test_the_convs_and_the_dense_layer_become_int8_orders(qdq):
     assert all(b["dtype"] == "int32" for b in biases)
     per_axis = {orders.quant_of(k).axis is not None for k in kernels}
     assert per_axis == ({True} if weights == "per-channel" else {False})
-    # per channel: each such order's per-axis quantization for Arm NN's TfLite parser, scales only
+    # per channel: the agent makes each such order's per-axis quantization for Arm NN's TfLite
+    # parser from the order (scales only, a few KB); the bundle holds nothing for it
     with hmod.open_bundle(paths["hmod"]) as b:
-        members = {p["symbol"]: p.get("tflite") for p in b.manifest["partitions"] if p["delegate"]}
-        want = {o["symbol"]: f"orders/{o['symbol']}.tflite" if weights == "per-channel" else None for o in qorders}
-        assert {s: m for s, m in members.items() if s in want} == want
-        assert all(m is None for s, m in members.items() if s not in want)   # float orders have none
-        assert all(len(b.read(m)) < 4096 for m in want.values() if m)
+        assert not any(p.get("tflite") for p in b.manifest["partitions"])
+        assert not any(n.endswith(".tflite") for n in b.members)
+        models = {o["symbol"]: order_tflite.quant_model(b.order(o["symbol"])) for o in qorders}
+    assert all((m is not None) == (weights == "per-channel") for m in models.values())
+    assert all(len(m) < 4096 for m in models.values() if m)
     man = manifest_of(paths["hmod"])
     conv_flops = 2 * (16 * 16 * 16 * 27 + 16 * 16 * 16 * 9 + 16 * 16 * 16 * 16) + 2 * 16 * 10
     # the MACs, and the elementwise work riding along (bias, dequantize, quantize: one per element)
@@ -92,7 +93,7 @@ def test_the_convs_and_the_dense_layer_become_int8_orders(qdq):
 def test_the_int8_bundle_matches_onnxruntimes_int8_run_on_each_executor(qdq, delegate):
     """verify against the QDQ model in onnxruntime within the manifest's tolerance (quantization
     steps); Arm NN (CpuRef here) runs per-tensor and per-channel orders alike (the latter's per-axis
-    scales from the bundle's tflite member), which verify's executor report says."""
+    scales from the TFLite model the agent makes of the order), which verify's executor report says."""
     weights, acts, paths = qdq
     res = run_cli("tandoor", "verify", str(paths["hmod"]), "--reference", str(paths["qdq"]), "--delegate", delegate,
                   "--json", env={"TANDOOR_ARMNN_CHECK": "all"})

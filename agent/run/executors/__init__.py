@@ -59,9 +59,7 @@ def _build_armnn(ctx: BuildContext):
     ok, why = armnn.available()
     if not ok:
         raise Unavailable(why)
-    # per-channel orders: their per-axis quantization as Arm NN's TfLite parser reads it (armnn module doc)
-    tflite = ctx.bundle.read(ctx.part["tflite"]) if ctx.part.get("tflite") else None
-    ex = armnn.ArmnnExecutor(ctx.order, ctx.bundle.weights(ctx.symbol), preferred=ctx.armnn_backends, tflite=tflite)
+    ex = armnn.ArmnnExecutor(ctx.order, ctx.bundle.weights(ctx.symbol), preferred=ctx.armnn_backends)
     if _check_wanted(ex.backend, ctx):
         try:
             _check_order(ex, ctx, armnn)

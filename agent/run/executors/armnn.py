@@ -40,8 +40,9 @@ on CpuRef, and by tests/board on CpuAcc with both APIs):
 * Per-channel kernels (a quant that varies along axis 0) are QSymmS8 with per-axis scales, the
   bias Signed32 with per-axis scales, for int8 and uint8 activations alike. Neither binding's
   TensorInfo has a per-axis setter (no SetQuantizationScales), but both TfLite parsers make such
-  TensorInfos from a TFLite tensor's quantization: the bundle's ``tflite`` member
-  (compiler/order_tflite.py) holds each per-axis weight as a tensor, and the builder takes its
+  TensorInfos from a TFLite tensor's quantization: a TFLite model made from the order at load
+  (tandoor_contract.order_tflite; bundles of 2026-12-05 also carry it as the partition's
+  ``tflite`` member, which is the same bytes and no longer read) holds each per-axis weight as a tensor, and the builder takes its
   TensorInfo from ITfLiteParser.GetNetworkInputBindingInfo (only CreateNetworkFromBinaryFile
   exists in either binding: the member goes through a temporary file), with Arm NN's shape. The
   quantized dimension must be Arm NN's: 20.08 refuses a depthwise kernel's unless it is 0 (its
@@ -71,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from tandoor_contract import orders
+from tandoor_contract import order_tflite, orders
 from tandoor_contract.errors import TandoorError
 
 __all__ = ["UnsupportedOrder", "ArmnnExecutor", "available", "backends"]
@@ -179,8 +180,8 @@ class QType:
     armnn: str
     scale: float
     offset: int
-    # per-axis: the tensor of the order's ``tflite`` member whose TensorInfo this is (scale and
-    # offset unused)
+    # per-axis: the tensor of the order's TFLite model whose TensorInfo this is (scale and offset
+    # unused)
     per_axis: str | None = None
 
     @property
@@ -502,8 +503,7 @@ class ArmnnExecutor:
     """
 
     def __init__(self, order: Mapping[str, Any], weights: bytes | bytearray | memoryview,
-                 preferred: Sequence[str] | str = DEFAULT_PREFERRED, tflite: bytes | None = None):
-        """``tflite``: the partition's ``tflite`` member (per-axis quantization; module doc)."""
+                 preferred: Sequence[str] | str = DEFAULT_PREFERRED):
         try:
             self._ann = ann = _pyarmnn()
         except ImportError as e:
@@ -525,8 +525,9 @@ class ArmnnExecutor:
         self._readers.update(str(o.get("name")) for o in order.get("outputs") or [])
         self._scratch_ids: list[int] = []   # extra network outputs only Arm NN writes (Api.concat_by_copy)
         self._scratch: list[tuple[int, Any]] = []
-        self._tflite = tflite
-        self._parser: Any = None    # the TfLite parser holding the member's per-axis TensorInfos
+        self._tflite: bytes | None = None   # the order's per-axis TFLite model, made when first needed
+        self._order = order
+        self._parser: Any = None    # the TfLite parser holding the model's per-axis TensorInfos
 
         tensors = order.get("tensors")
         if not isinstance(tensors, Mapping):
@@ -695,7 +696,7 @@ class ArmnnExecutor:
         if q.per_axis is not None:
             info = self._per_axis_info(q.per_axis)
             if info.GetNumElements() != math.prod(shape):   # (its scales cannot be read: module doc)
-                raise UnsupportedOrder(f"the bundle's tflite member's tensor {q.per_axis!r} has "
+                raise UnsupportedOrder(f"the order's per-axis TFLite model's tensor {q.per_axis!r} has "
                                        f"{info.GetNumElements()} elements, the order's {math.prod(shape)}")
             info.SetShape(ann.TensorShape(tuple(int(d) for d in shape)))
             return info
@@ -705,7 +706,7 @@ class ArmnnExecutor:
         return info
 
     def _per_axis_info(self, name: str):
-        """A fresh TensorInfo of the ``tflite`` member's tensor ``name`` (per-axis scales that only
+        """A fresh TensorInfo of the order's TFLite model's tensor ``name`` (per-axis scales that only
         Arm NN's TfLite parser can make), parsed once per order."""
         ann = self._ann
         if self._parser is None and not hasattr(ann, "ITfLiteParser"):
@@ -720,14 +721,14 @@ class ArmnnExecutor:
                 net = parser.CreateNetworkFromBinaryFile(path)   # (read whole: the file can go)
             except Exception as e:
                 raise UnsupportedOrder(f"Arm NN's TfLite parser cannot read the order's per-axis quantization "
-                                       f"(the bundle's tflite member): {' '.join(str(e).split())[:300]}") from None
+                                       f"(its TFLite model): {' '.join(str(e).split())[:300]}") from None
             finally:
                 os.unlink(path)
             self._parser = (parser, net)
         try:
             return self._parser[0].GetNetworkInputBindingInfo(0, name)[1]
         except Exception:
-            raise UnsupportedOrder(f"the bundle's tflite member has no tensor {name!r}; the order's per-axis "
+            raise UnsupportedOrder(f"the order's TFLite model has no tensor {name!r}; the order's per-axis "
                                    "quantization is not all there") from None
 
     @staticmethod
@@ -885,12 +886,18 @@ class ArmnnExecutor:
     def _per_axis_op(self, where: str, typ: str, op: Mapping[str, Any], attrs: Mapping[str, Any],
                      wts: Mapping[str, str], kq: orders.Quant, x: QType, y: QType) -> QuantOp:
         """The types of a conv2d/dense whose kernel scales vary per output channel: QSymmS8 and
-        Signed32 per axis, their TensorInfos from the ``tflite`` member (module doc)."""
+        Signed32 per axis, their TensorInfos from the order's TFLite model (module doc)."""
+        if self._tflite is None:
+            try:
+                self._tflite = order_tflite.quant_model(self._order)
+            except ImportError as e:    # flatbuffers: onnxruntime's dependency, so normally there
+                raise UnsupportedOrder(f"{where}: per-axis quantization needs the flatbuffers package "
+                                       f"({e}); pip install flatbuffers") from None
         if self._tflite is None:
             raise UnsupportedOrder(
-                f"{where}: the kernel has per-axis quantization ({len(kq.scale)} scales on axis {kq.axis}) and the "
-                "bundle has no tflite member to take its TensorInfo from (pyarmnn has no SetQuantizationScales; "
-                "compiled before tandoor wrote one): compile it again, or run this order on onnxruntime")
+                f"{where}: the kernel has per-axis quantization ({len(kq.scale)} scales on axis {kq.axis}) that "
+                "no TFLite tensor says (only int8 conv2d/dense kernels and int32 biases do; pyarmnn has no "
+                "SetQuantizationScales): run this order on onnxruntime")
         if kq.axis != 0 or any(kq.zero_point):
             raise UnsupportedOrder(f"{where}: per-axis kernel on axis {kq.axis} with zero points "
                                    f"{sorted(set(kq.zero_point))[:3]}; order_version 2 kernels are symmetric, "

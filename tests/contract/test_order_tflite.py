@@ -1,14 +1,14 @@
-"""compiler/order_tflite.py: a per-channel order's per-axis quantization as a TFLite model (the
-partition's tflite member), read back with the tflite package's own reader. That Arm NN's TfLite
-parser takes it and the order then agrees with onnxruntime: tests/agent/test_quantized_orders.py."""
+"""contract/order_tflite.py: a per-channel order's per-axis quantization as a TFLite model (made
+by the Arm NN executor at load), written with flatbuffers' Builder and read back with the tflite
+package's own reader (the schema's generated classes). That Arm NN's TfLite parser takes it and
+the order then agrees with onnxruntime: tests/agent/test_quantized_orders.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import tflite
 
-from tandoor_compiler import order_tflite
-from tandoor_contract import orders
+from tandoor_contract import order_tflite, orders
 
 
 def _order(depthwise: bool, per_channel: bool = True) -> dict:
@@ -68,8 +68,26 @@ def test_a_depthwise_kernel_is_also_in_tflites_own_layout_along_dim_3():
     assert got["k:1HWO"]["scale"] == got["k"]["scale"]      # (one vector in the file, both tensors name it)
 
 
-def test_a_per_tensor_order_has_no_member():
+def test_a_per_tensor_order_has_no_model():
     assert order_tflite.quant_model(_order(depthwise=False, per_channel=False)) is None
     same = _order(depthwise=False)       # per-axis scales all equal: one per tensor, the same reals
     same["weights"]["k"]["quant"]["scale"] = [0.002] * 8
     assert order_tflite.quant_model(same) is None
+
+
+def test_the_order_as_stored_gives_the_model_the_compiler_saw():
+    """The agent makes the model from the order it reads (order_version 5: scale lists in the blob
+    as float32), the compiler had the order before; the bytes must be the same."""
+    order = _order(depthwise=True)
+    blob = bytes(256)
+    stored, blob2 = orders.scale_refs_out(order, blob, min_count=2)
+    assert stored["order_version"] == orders.SCALE_REF_ORDER_VERSION and not isinstance(
+        stored["weights"]["k"]["quant"]["scale"], list)
+    assert order_tflite.quant_model(orders.resolve_scales(stored, blob2)) == order_tflite.quant_model(order)
+
+
+def test_nonzero_zero_points_are_written_per_channel():
+    order = _order(depthwise=False)
+    order["weights"]["k"]["quant"]["zero_point"] = list(range(8))
+    got = _tensors(order_tflite.quant_model(order))
+    assert got["k"]["zero_point"] == list(range(8)) and got["b"]["zero_point"] == []
