@@ -4,12 +4,20 @@
 #   TANDOOR_CACHE          cache root (default ~/.cache/tandoor); board NAME lives in $TANDOOR_CACHE/board/NAME
 #   TANDOOR_BOARD_ROOT     the unpacked rootfs of the board chosen (default $TANDOOR_CACHE/board/NAME/rootfs)
 #   TANDOOR_BOARD_CPUINFO  the /proc/cpuinfo the board sees (default: 2 x Cortex-A76)
+#   TANDOOR_BOARD_QEMU_CPU the CPU qemu-user emulates (default cortex-a76, the RK3588's big core)
 
 BOARD_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SRC_ROOT="$(cd "$BOARD_DIR/../.." && pwd)"
 CACHE_ROOT="${TANDOOR_CACHE:-$HOME/.cache/tandoor}/board"
 CPUINFO="${TANDOOR_BOARD_CPUINFO:-$BOARD_DIR/cpuinfo-cortex-a76}"
 VENV_IN_BOARD=/opt/tandoor/venv
+# qemu-user's default CPU, "max", has pointer authentication with the architected QARMA5 cipher,
+# which it computes in software on every signed return: Debian 13 builds arm64 packages with
+# branch protection, and trixie's Python ran 4x (import numpy) to 9x (compile) slower than
+# bookworm's. The Cortex-A76 (ARMv8.2: no PAuth, so its hint instructions are no-ops) is the
+# board's own core, and has no SVE or i8mm for ACL to pick kernels the RK3588 cannot run.
+# qemu-user reads QEMU_CPU from the environment of each process it starts (enter.sh passes it on).
+export QEMU_CPU="${TANDOOR_BOARD_QEMU_CPU:-cortex-a76}"
 SRC_IN_BOARD=/opt/tandoor/src
 
 # The emulated boards, one Debian arm64 suite each (the first is the default). What each brings

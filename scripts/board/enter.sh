@@ -31,7 +31,7 @@ if [[ -n "$SHARE" ]]; then
   cwd=/work
 fi
 exec chroot "$R" /usr/bin/env -i \
-  HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
+  HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" ${QEMU_CPU:+QEMU_CPU="$QEMU_CPU"} \
   PATH=/opt/tandoor/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   "${envs[@]}" \
   /bin/sh -c 'cd "$0" && exec "$@"' "$cwd" "$@"
