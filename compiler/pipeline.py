@@ -575,7 +575,7 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
                          onnx_external={f"{p.symbol}.bin": f"orders/{p.symbol}.bin"},
                          probe=f"orders/{p.symbol}.probe.npz")
             # per-channel weights: no member for Arm NN's TfLite parser, the agent makes it from the
-            # order (tandoor_contract.order_tflite)
+            # order (agent/run/executors/armnn_tflite.py)
             # The fallback is compiled without its weights: they are passed in at load time, read from
             # the order's blob where the bytes are the same (most are), else from a small params member.
             fb_mod, values = codegen.region_as_module(p.func, lift_weights=True)

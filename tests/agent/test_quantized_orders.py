@@ -387,14 +387,14 @@ def test_per_channel_op_on_armnn_agrees_with_onnxruntime(case):
     a 1x1 convolution); the bundle holds nothing for it."""
     import pyarmnn as ann
 
-    from tandoor_contract import order_tflite
+    from tandoor_agent.run.executors import armnn_tflite
 
     # the premise: neither binding's TensorInfo takes several scales
     assert not hasattr(ann.TensorInfo, "SetQuantizationScales")
     b = build(case)
     lo, hi = QRANGE[case.dtype]
     assert np.mean((b.want == lo) | (b.want == hi)) < 0.03 and len(np.unique(b.want)) > 40
-    model = order_tflite.quant_model(b.order)
+    model = armnn_tflite.quant_model(b.order)
     oc = b.order["weights"]["k"]["shape"][0]
     assert model is not None and len(model) < 40 * oc + 1024   # scales and zero points only: no weight data
     with ax.ArmnnExecutor(b.order, b.blob) as ex:

@@ -37,7 +37,8 @@ import pytest
 
 from support.cli import ROOT, compiled, manifest_of, run_cli
 from tandoor_compiler import acl
-from tandoor_contract import hmod, order_tflite, orders
+from tandoor_agent.run.executors import armnn_tflite
+from tandoor_contract import hmod, orders
 from tandoor_zoo import models as zoo
 
 from .boards import TIMEOUT, EmulatedBoard, assert_matches, board_root, reference, run_on_board
@@ -543,7 +544,7 @@ def test_an_int8_bundle_runs_on_cpuacc_within_its_quantization_steps(board, bund
                       "--policy", "all")
     with hmod.open_bundle(bundle) as b:
         # per channel: the per-axis TFLite model the agent makes from each order
-        quantized = {p["symbol"]: order_tflite.quant_model(b.order(p["symbol"])) for p in b.manifest["partitions"]
+        quantized = {p["symbol"]: armnn_tflite.quant_model(b.order(p["symbol"])) for p in b.manifest["partitions"]
                      if p["delegate"] and orders.is_quantized(b.order(p["symbol"]))}
     assert len(quantized) >= 2
     assert all(quantized.values()) if weights == "per-channel" else not any(quantized.values())

@@ -13,7 +13,8 @@ import pytest
 from support.cli import manifest_of, run_cli
 from support.qdq import quantized_small_cnn
 from tandoor_compiler import acl
-from tandoor_contract import hmod, order_tflite, orders
+from tandoor_agent.run.executors import armnn_tflite
+from tandoor_contract import hmod, orders
 
 RNG = np.random.default_rng(20261202)
 
@@ -72,7 +73,7 @@ def test_the_convs_and_the_dense_layer_become_int8_orders(qdq):
     with hmod.open_bundle(paths["hmod"]) as b:
         assert not any(p.get("tflite") for p in b.manifest["partitions"])
         assert not any(n.endswith(".tflite") for n in b.members)
-        models = {o["symbol"]: order_tflite.quant_model(b.order(o["symbol"])) for o in qorders}
+        models = {o["symbol"]: armnn_tflite.quant_model(b.order(o["symbol"])) for o in qorders}
     assert all((m is not None) == (weights == "per-channel") for m in models.values())
     assert all(len(m) < 4096 for m in models.values() if m)
     man = manifest_of(paths["hmod"])

@@ -41,7 +41,7 @@ on CpuRef, and by tests/board on CpuAcc with both APIs):
   bias Signed32 with per-axis scales, for int8 and uint8 activations alike. Neither binding's
   TensorInfo has a per-axis setter (no SetQuantizationScales), but both TfLite parsers make such
   TensorInfos from a TFLite tensor's quantization: a TFLite model made from the order at load
-  (tandoor_contract.order_tflite; bundles of 2026-12-05 also carry it as the partition's
+  (armnn_tflite.py; bundles of 2026-12-05 also carry it as the partition's
   ``tflite`` member, which is the same bytes and no longer read) holds each per-axis weight as a tensor, and the builder takes its
   TensorInfo from ITfLiteParser.GetNetworkInputBindingInfo (only CreateNetworkFromBinaryFile
   exists in either binding: the member goes through a temporary file), with Arm NN's shape. The
@@ -72,8 +72,10 @@ from typing import Any
 
 import numpy as np
 
-from tandoor_contract import order_tflite, orders
+from tandoor_contract import orders
 from tandoor_contract.errors import TandoorError
+
+from . import armnn_tflite
 
 __all__ = ["UnsupportedOrder", "ArmnnExecutor", "available", "backends"]
 
@@ -889,7 +891,7 @@ class ArmnnExecutor:
         Signed32 per axis, their TensorInfos from the order's TFLite model (module doc)."""
         if self._tflite is None:
             try:
-                self._tflite = order_tflite.quant_model(self._order)
+                self._tflite = armnn_tflite.quant_model(self._order)
             except ImportError as e:    # flatbuffers: onnxruntime's dependency, so normally there
                 raise UnsupportedOrder(f"{where}: per-axis quantization needs the flatbuffers package "
                                        f"({e}); pip install flatbuffers") from None

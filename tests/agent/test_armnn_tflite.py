@@ -1,4 +1,4 @@
-"""contract/order_tflite.py: a per-channel order's per-axis quantization as a TFLite model (made
+"""agent/run/executors/armnn_tflite.py: a per-channel order's per-axis quantization as a TFLite model (made
 by the Arm NN executor at load), written with flatbuffers' Builder and read back with the tflite
 package's own reader (the schema's generated classes). That Arm NN's TfLite parser takes it and
 the order then agrees with onnxruntime: tests/agent/test_quantized_orders.py."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import tflite
 
-from tandoor_contract import order_tflite, orders
+from tandoor_agent.run.executors import armnn_tflite as order_tflite
+from tandoor_contract import orders
 
 
 def _order(depthwise: bool, per_channel: bool = True) -> dict:

@@ -17,7 +17,7 @@ once), and a bundle of EfficientNet-Lite0 carried 188 KB of such members (3% of 
 Bundles written before that hold it as the partition's ``tflite`` member; the executor reads that
 when it is there. The writer is ``flatbuffers``' Builder (onnxruntime's dependency, so on every
 board) with the schema's field slots below, checked against the ``tflite`` package's own reader
-(tests/contract/test_order_tflite.py); the model is a pure function of the order.
+(tests/agent/test_armnn_tflite.py); the model is a pure function of the order.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import orders
+from tandoor_contract import orders
 
 # TFLite's schema (tensorflow/lite/schema/schema.fbs, version 3): the enum values and, per table,
 # its field count and the slot of each field this writer sets.
