@@ -243,15 +243,6 @@ def quant_of(spec: Mapping, what: str = "tensor") -> Quant | None:
     return Quant(tuple(float(x) for x in scale), tuple(int(z) for z in zp), axis)
 
 
-# The partition's ``tflite`` member (docs/bundle-format.md): an order's per-axis quantization as a
-# TFLite model of tensors alone (no ops, no data), for Arm NN's TfLite parser, the one pyarmnn
-# interface that makes per-axis TensorInfos. Each weight whose quant varies along its axis is a
-# tensor of its own name, shape, dtype and quant (quantized_dimension = axis); a depthwise kernel
-# is also one in TFLite's depthwise layout [1, KH, KW, C*M] (quantized_dimension 3) under its name
-# + TFLITE_1HWO; a bias's scales are the float32 products input scale x kernel scale.
-TFLITE_1HWO = ":1HWO"
-
-
 def _quant_specs(order: Mapping):
     for table in ("tensors", "weights"):
         for spec in (order.get(table) or {}).values():

@@ -63,7 +63,7 @@ def test_a_conv_kernel_and_its_bias_are_tensors_with_their_per_axis_scales():
 
 def test_a_depthwise_kernel_is_also_in_tflites_own_layout_along_dim_3():
     got = _tensors(order_tflite.quant_model(_order(depthwise=True)))
-    assert set(got) == {"k", "k" + orders.TFLITE_1HWO, "b"}
+    assert set(got) == {"k", "k" + order_tflite.TFLITE_1HWO, "b"}
     assert (got["k"]["shape"], got["k"]["dim"]) == ([8, 3, 3, 1], 0)
     assert (got["k:1HWO"]["shape"], got["k:1HWO"]["dim"]) == ([1, 3, 3, 8], 3)
     assert got["k:1HWO"]["scale"] == got["k"]["scale"]      # (one vector in the file, both tensors name it)

@@ -906,12 +906,9 @@ class ArmnnExecutor:
                                    "per output channel (axis 0)")
         kname = str(wts["kernel"])
         kshape = self._weights_table[kname].get("shape") or [0]
-        cin = self._shapes[str((op.get("inputs") or [""])[0])][-1]
-        groups = int(attrs.get("groups", 1))
-        depthwise = typ == "conv2d" and (bool(attrs.get("depthwise")) or (groups > 1 and groups == cin
-                                                                           and kshape[-1] == 1))
-        # Arm NN's depthwise layout decides which of the member's tensors has the quantized dim it reads
-        kernel = QType("QSymmS8", 0.0, 0, kname + (orders.TFLITE_1HWO if depthwise and
+        depthwise = armnn_tflite.is_depthwise(op, kshape, self._shapes[str((op.get("inputs") or [""])[0])][-1])
+        # Arm NN's depthwise layout decides which of the model's tensors has the quantized dim it reads
+        kernel = QType("QSymmS8", 0.0, 0, kname + (armnn_tflite.TFLITE_1HWO if depthwise and
                                                     self._api.depthwise_kernel == "1HWO" else ""))
         bias = None
         if wts.get("bias"):

@@ -5,7 +5,7 @@ no SetQuantizationScales), so a per-channel int8 order could not reach ACL. Arm 
 present in both bindings, does make per-axis TensorInfos: from a TFLite tensor's quantization
 (scale, zero_point, quantized_dimension). So the Arm NN executor makes, from the order alone, a
 TFLite model of tensors alone (no ops, no weight data: a few hundred bytes per weight), every
-tensor a subgraph input, named as ``orders.TFLITE_1HWO`` says; it parses it, takes each weight's
+tensor a subgraph input, named as ``TFLITE_1HWO`` says; it parses it, takes each weight's
 TensorInfo (GetNetworkInputBindingInfo), sets its shape to Arm NN's layout and builds the order
 layer by layer as for per-tensor weights (agent/run/executors/armnn.py). The weights' own tensors
 rather than a TFLite rendering of the ops: the layer builder already does what a TFLite graph
@@ -30,6 +30,19 @@ from tandoor_contract import orders
 
 # TFLite's schema (tensorflow/lite/schema/schema.fbs, version 3): the enum values and, per table,
 # its field count and the slot of each field this writer sets.
+# a depthwise kernel's second tensor, in TFLite's [1, KH, KW, C*M] layout (quantized_dimension 3),
+# is named the kernel's name + this: Arm NN 23.08 reads its scales there, 20.08 on [M, C, KH, KW]'s dim 0
+TFLITE_1HWO = ":1HWO"
+
+
+def is_depthwise(op: Mapping, kshape, cin: int) -> bool:
+    """A conv2d that is depthwise: said so, or one group per input channel with our [C*M, KH, KW, 1]
+    kernel. The writer and the executor's layer builder both ask this."""
+    groups = int((op.get("attrs") or {}).get("groups", 1))
+    return op.get("type") == "conv2d" and (bool((op.get("attrs") or {}).get("depthwise")) or (
+        groups > 1 and groups == cin and int(kshape[-1]) == 1))
+
+
 _TYPES = {"int8": 9, "int32": 2}          # TensorType.INT8, TensorType.INT32
 SCHEMA_VERSION = 3
 MODEL = (8, {"version": 0, "operator_codes": 1, "subgraphs": 2, "description": 3, "buffers": 4})
@@ -58,13 +71,10 @@ def per_axis_tensors(order: Mapping) -> list[dict]:
         seen.add(kname)
         shape = [int(d) for d in kspec["shape"]]
         out.append(_tensor(kname, shape, kspec["dtype"], kq.scale, kq.zero_point, kq.axis))
-        attrs = op.get("attrs") or {}
         x = tensors.get((op.get("inputs") or [""])[0]) or {}
-        cin = int(x.get("shape", [0])[-1] or 0)
-        if op["type"] == "conv2d" and (attrs.get("depthwise") or (int(attrs.get("groups", 1)) > 1 and
-                                                                   int(attrs.get("groups", 1)) == cin)):
+        if is_depthwise(op, shape, int(x.get("shape", [0])[-1] or 0)):
             o, kh, kw, _ = shape     # ours [C*M, KH, KW, 1], output channel c*M + m: TFLite's last axis
-            out.append(_tensor(kname + orders.TFLITE_1HWO, [1, kh, kw, o], kspec["dtype"], kq.scale,
+            out.append(_tensor(kname + TFLITE_1HWO, [1, kh, kw, o], kspec["dtype"], kq.scale,
                                kq.zero_point, 3))
         bname = wts.get("bias")
         bspec = weights.get(bname) if bname else None
