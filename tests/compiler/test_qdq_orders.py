@@ -143,14 +143,13 @@ def test_per_channel_scales_are_stored_once_in_the_blob_for_every_reader(qdq):
         assert bool(fb_scales) == bool(refs)
 
 
-def test_the_tvm_side_keeps_int8_kernels_once_for_every_target(qdq, tmp_path):
+def test_the_tvm_side_keeps_int8_kernels_once_for_every_target(tmp_path):
     """Nothing delegated (--policy none): the TVM main module computes the whole QDQ model, and its
     weights are not in the libraries but in one lib_params member both targets read, the quantized
     kernels as their int8 codes (format 4); the bundle still matches onnxruntime's int8 run, and a
     lib_params range that does not fit is refused in one line."""
-    weights, acts, paths = qdq
-    if (weights, acts) != ("per-channel", "int8"):
-        pytest.skip("one quantization is enough here")
+    _, q = quantized_small_cnn(tmp_path, per_channel=True, activations="int8")   # one quantization is enough
+    paths = {"qdq": q}
     out = tmp_path / "tvm.hmod"
     res = run_cli("tandoor", "compile", str(paths["qdq"]), "-o", str(out), "-q", "--policy", "none",
                   "--target", "aarch64", "--measure", "off")
