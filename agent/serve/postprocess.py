@@ -115,9 +115,23 @@ def resolve(name: str | None, manifest: dict) -> str:
     if hint and hint in _REGISTRY:
         return hint
     outs = manifest.get("outputs") or []
-    if outs and is_classifier_output(outs[0].get("shape") or []):
+    if outs and is_classifier_output(outs[0].get("shape") or []) and not _per_anchor(outs):
         return "classifier"
     return "raw"
+
+
+def _per_anchor(outs: list[dict]) -> bool:
+    """The first output is one score per anchor, not per class: another output has as many rows
+    and several values in each (BlazeFace: scores (1, 512, 1) beside boxes (1, 512, 16); SSD's
+    (1, N) beside (1, N, 4)). MTCNN's R-Net, (1, 2) beside (1, 4), stays a classifier."""
+    first = [int(d) for d in outs[0].get("shape") or []]
+    if len(first) < 2 or first[1] <= 1:
+        return False
+    for o in outs[1:]:
+        shape = [int(d) for d in o.get("shape") or []]
+        if len(shape) >= 3 and shape[1] == first[1] and math.prod(shape[2:]) > 1:
+            return True
+    return False
 
 
 # --- classifier ------------------------------------------------------------------------------------

@@ -335,6 +335,16 @@ def test_auto_resolution_and_registry():
     assert post.resolve(None, {"outputs": [{"name": "y", "shape": [1, 2, 80, 80]}]}) == "raw"
     assert post.resolve("auto", {"outputs": [{"name": "y", "shape": [1, 84, 8400]}],
                                  "postprocess": {"decoder": "yolov8"}}) == "yolov8"
+    # one score per anchor beside that anchor's box (MediaPipe's BlazeFace as exported for Barracuda)
+    blazeface = [[1, 512, 1], [1, 384, 1], [1, 512, 16], [1, 384, 16]]
+    assert post.resolve(None, {"outputs": [{"name": f"o{j}", "shape": s} for j, s in enumerate(blazeface)]}) == "raw"
+    assert post.resolve(None, {"outputs": [{"name": "scores", "shape": [1, 100]},
+                                           {"name": "boxes", "shape": [1, 100, 4]}]}) == "raw"
+    # MTCNN's R-Net: face/not-face scores beside a box regression of another length, a classifier
+    assert post.resolve(None, {"outputs": [{"name": "prob", "shape": [1, 2]},
+                                           {"name": "box", "shape": [1, 4]}]}) == "classifier"
+    assert post.resolve(None, {"outputs": [{"name": "a", "shape": [1, 1000]},
+                                           {"name": "aux", "shape": [1, 1000]}]}) == "classifier"
     assert post.resolve("yolov8", {"outputs": []}) == "yolov8"
     with pytest.raises(ValueError, match="unknown postprocessor 'nope'"):
         post.resolve("nope", {})
