@@ -139,6 +139,31 @@ def test_int8_centerface_finds_the_boxes_fp32_finds_on_frames_calibration_did_no
     assert "boxes:" in text.stdout and "matched at IoU 0.5" in text.stdout
 
 
+def test_an_int8_yolox_compiles_within_the_promise_each_output_gets(lite0, tmp_path):
+    """ddddocr's YOLOX (a real detector no other INT8 test uses) quantized for a board (int8
+    activations) from 20 frames: its compile's self-check passes and verify passes on TVM alone.
+    onnxruntime on x86 fuses no int8-activation conv, so its fused and plain runs agree and their
+    spread promised one step; TVM's other summation order is ~12 steps off (a coarse step feeding a
+    fine one), and the compile refused its own bundle until the rounding spread measured that."""
+    from tandoor_zoo import wild
+
+    fp32 = wild.fetch("yolox_det")
+    q, hm = tmp_path / "yolox.int8.onnx", tmp_path / "yolox.int8.hmod"
+    run_cli("tandoor", "quantize", str(fp32), "--calibration", str(lite0["calib"]), "--images", "20",
+            "--pixel-range", "0-255", "--target", "aarch64", "-o", str(q), "-q", check=True)
+    res = run_cli("tandoor", "compile", str(q), "-o", str(hm), "-q", "--measure", "off", "--pixel-range", "0-255")
+    assert res.returncode == 0, res.stderr
+    tol = manifest_of(hm)["tolerance"]
+    (name, entry), = tol["outputs"].items()
+    step = tol["quantized"]["steps"][name]
+    fused, rounding = (tol["quantized"][k][name] for k in ("onnxruntime_spread_steps", "rounding_spread_steps"))
+    assert entry["atol"] == pytest.approx(step * (1 + 2 * max(fused, rounding)))
+    v = run_cli("tandoor", "verify", str(hm), "--reference", str(q), "--delegate", "tvm", "--random", "1", "--json")
+    rep = json.loads(v.stdout)
+    assert v.returncode == 0 and rep["ok"] and rep["max_abs_err"] <= entry["atol"], v.stdout
+    assert rep["max_abs_err"] > step * (1 + 2 * fused)     # the fused spread alone would have refused it
+
+
 def test_box_matching_needs_the_same_class_and_half_the_area_in_common():
     from tandoor_host.accuracy import match_boxes
 
