@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from tandoor_contract import durable, probe
+from tandoor_contract import agreement, durable, probe
 
 from . import frontend, normalise
 from .errors import CompileError
@@ -495,8 +495,10 @@ def tolerance(loaded: frontend.LoadedModel) -> dict | None:
       and this spread measures 11-14 on its box outputs.
 
     Per output ``step x (1 + 2 x spread)`` with the larger spread (the ``outputs`` entries,
-    tandoor_contract.agreement); ``atol`` is the largest, for readers that know one pair. A wrong
-    bundle (a wrong weight, layout or op) misses by a large part of the output's range."""
+    tandoor_contract.agreement), and 0.1% of its elements past it (``outliers``): random inputs
+    miss the rare flip a golden pair meets (PP-OCRv4 det: 13 of 307200 elements up to 68 steps off
+    where both spreads were 2); ``atol`` is the largest, for readers that know one pair. A wrong
+    bundle (a wrong weight, layout or op) misses on most of an output, by a large part of its range."""
     from .check_facts import rounding_noise
 
     steps = output_steps(loaded.proto)
@@ -529,9 +531,10 @@ def tolerance(loaded: frontend.LoadedModel) -> dict | None:
         if not np.isfinite(s):
             continue
         worst = max(spread[k], rounding[k])
-        outputs[k] = {"atol": float(s * (1 + 2 * worst)), "rtol": FP32_RTOL,
+        outputs[k] = {"atol": float(s * (1 + 2 * worst)), "rtol": FP32_RTOL, "outliers": agreement.MAX_OUTLIERS,
                       "why": (f"INT8 output, step {s:.3g}: onnxruntime's fused kernels {spread[k]:.0f} step(s) from "
-                              f"its plain graph, one float rounding per op {rounding[k]:.0f}")}
+                              f"its plain graph, one float rounding per op {rounding[k]:.0f}; a flip upstream "
+                              f"may move a few elements further")}
     return {"atol": float(max(e["atol"] for e in outputs.values())), "rtol": FP32_RTOL, "outputs": outputs,
             "quantized": {"steps": {k: (float(v) if np.isfinite(v) else None) for k, v in steps.items()},
                           "onnxruntime_spread_steps": spread, "rounding_spread_steps": rounding}}

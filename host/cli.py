@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 
 from tandoor_compiler.errors import CompileError
-from tandoor_contract import hmod, media, orders
+from tandoor_contract import agreement, hmod, media, orders
 from tandoor_contract.errors import TandoorError
 
 from .inputs import InputFile
@@ -429,6 +429,7 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
             click.echo("warning: the reference is not the file this bundle was compiled from (sha256 differs)", err=True)
         for c in res["cases"]:
             tied = f"  ({c['tied']} tied, not compared)" if c.get("tied") else ""
+            tied += f"  ({c['past']} past the promise, excused)" if c.get("past") else ""
             nums = "  ".join(f"max {w} {'-' if c[k] is None else format(c[k], '.3g')}"
                              for w, k in (("abs", "max_abs_err"), ("rel", "max_rel_err")))
             click.echo(f"  {c['kind']:7s} {c['delegate']:11s} {c['path'] or '-':11s} {nums}  "
@@ -448,6 +449,9 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
         else:
             click.echo(f"{verdict}: max abs err {res['max_abs_err']:.3g}, max rel err {res['max_rel_err']:.3g} "
                        f"(atol {res['atol']:.3g}, rtol {res['rtol']:.3g}; per output in the manifest's tolerance)")
+            if res.get("past"):
+                click.echo(f"  {res['past']} element(s) past the promise, excused: an INT8 output may have up to "
+                           f"{agreement.MAX_OUTLIERS:.1%} of its elements moved further by a flip upstream")
         if res["reason"]:
             click.echo(f"first miss: {res['reason']}")
     sys.exit(0 if res["ok"] else 1)

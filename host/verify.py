@@ -124,13 +124,14 @@ def verify(bundle_path: str | Path, reference: str | Path, delegate: str | None 
             results.append({"kind": kind, "delegate": d, "path": path,   # no number for a shape or non-finite miss
                             "max_abs_err": v.max_abs_err if np.isfinite(v.max_abs_err) else None,
                             "max_rel_err": rel if np.isfinite(rel) else None, "ok": v.ok, "reason": v.reason,
-                            "tied": v.free})
+                            "tied": v.free, "past": v.past})
     return {
         "max_abs_err": max((c["max_abs_err"] for c in results if c["max_abs_err"] is not None), default=0.0),
         "max_rel_err": max((c["max_rel_err"] for c in results if c["max_rel_err"] is not None), default=0.0),
         "ok": all(c["ok"] for c in results),
         "reason": next((f"{c['kind']} input, {c['delegate']} executors: {c['reason']}" for c in results
                         if not c["ok"]), None),
+        "past": sum(c.get("past", 0) for c in results),
         "atol": top.atol, "rtol": top.rtol, "tolerance": m.get("tolerance"), "cases": results,
         "runs": runs, "subgraphs": subgraphs or [],
         # compile --npu: the NPU's share and what its simulator check found (the rknn orders ran

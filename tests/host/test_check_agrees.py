@@ -145,3 +145,33 @@ def test_the_squeezenet_judged_by_the_old_single_tolerance_fails_naming_output_a
     assert re.match(r"random input, auto executors: output softmaxout_1 on the onnxruntime path: max abs err 0\.00\d+ "
                     r"exceeds its tolerance \(atol 0\.001, rtol 0\.001; element \d+: 0\.00\d+ vs 0\.001\)",
                     res["reason"]), res["reason"]
+
+
+def test_an_int8_outputs_promise_excuses_a_few_elements_past_it_never_many():
+    """``outliers`` (an INT8 output's entry): up to that fraction of the elements may be past the
+    promise, as a flip upstream moves a handful by many steps; a wrong bundle, wrong on most, and a
+    manifest excusing more than the probe check's 0.1%, are still refused. No entry: every element."""
+    import numpy as np
+
+    from tandoor_contract import agreement
+
+    want = np.linspace(0.0, 1.0, 20000).astype(np.float32)
+    got = want.copy()
+    got[[5, 999, 17000]] += 0.25                                    # 3 of 20000 flipped, far past
+    entry = {"atol": 0.02, "rtol": 0.001, "outliers": 1e-3}
+    man = {"outputs": [{"name": "maps"}], "tolerance": {"atol": 0.02, "rtol": 0.001, "outputs": {"maps": entry}}}
+    a = agreement.compare([got], [want], man, "tvm")
+    assert a.ok and a.max_abs_err == pytest.approx(0.25) and a.past == 3
+    got[:100] += 0.25                                               # 102 of 20000 (5 twice): past 0.1% (20)
+    a = agreement.compare([got], [want], man, "tvm")
+    assert not a.ok and "102 of 20000 elements past it" in a.reason and "up to 0.10% of elements" in a.reason
+    got = want.copy()
+    got[[5, 999, 17000]] += 0.25
+    strict = {**man, "tolerance": {"atol": 0.02, "rtol": 0.001, "outputs": {"maps": {"atol": 0.02, "rtol": 0.001}}}}
+    assert not agreement.compare([got], [want], strict, "tvm").ok
+    greedy = {**man, "tolerance": {"atol": 0.02, "rtol": 0.001, "outputs": {"maps": {**entry, "outliers": 0.5}}}}
+    got[:100] += 0.25
+    assert agreement.tolerance(greedy["tolerance"], "maps", "tvm").outliers == agreement.MAX_OUTLIERS
+    assert not agreement.compare([got], [want], greedy, "tvm").ok
+    got[0] = np.nan                                                 # never excused: not finite
+    assert "non-finite" in agreement.compare([got], [want], man, "tvm").reason
