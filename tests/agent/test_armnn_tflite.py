@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import tflite
 
-from tandoor_agent.run.executors import armnn_tflite as order_tflite
+from tandoor_agent.run.executors import armnn_tflite
 from tandoor_contract import orders
 
 
@@ -48,8 +48,8 @@ def _tensors(data: bytes) -> dict[str, dict]:
 
 def test_a_conv_kernel_and_its_bias_are_tensors_with_their_per_axis_scales():
     order = _order(depthwise=False)
-    data = order_tflite.quant_model(order)
-    assert data == order_tflite.quant_model(order) and data[4:8] == b"TFL3"     # the same bytes every time
+    data = armnn_tflite.quant_model(order)
+    assert data == armnn_tflite.quant_model(order) and data[4:8] == b"TFL3"     # the same bytes every time
     got = _tensors(data)
     assert set(got) == {"k", "b"}
     ks = np.float32(order["weights"]["k"]["quant"]["scale"])
@@ -62,18 +62,18 @@ def test_a_conv_kernel_and_its_bias_are_tensors_with_their_per_axis_scales():
 
 
 def test_a_depthwise_kernel_is_also_in_tflites_own_layout_along_dim_3():
-    got = _tensors(order_tflite.quant_model(_order(depthwise=True)))
-    assert set(got) == {"k", "k" + order_tflite.TFLITE_1HWO, "b"}
+    got = _tensors(armnn_tflite.quant_model(_order(depthwise=True)))
+    assert set(got) == {"k", "k" + armnn_tflite.TFLITE_1HWO, "b"}
     assert (got["k"]["shape"], got["k"]["dim"]) == ([8, 3, 3, 1], 0)
     assert (got["k:1HWO"]["shape"], got["k:1HWO"]["dim"]) == ([1, 3, 3, 8], 3)
     assert got["k:1HWO"]["scale"] == got["k"]["scale"]      # (one vector in the file, both tensors name it)
 
 
 def test_a_per_tensor_order_has_no_model():
-    assert order_tflite.quant_model(_order(depthwise=False, per_channel=False)) is None
+    assert armnn_tflite.quant_model(_order(depthwise=False, per_channel=False)) is None
     same = _order(depthwise=False)       # per-axis scales all equal: one per tensor, the same reals
     same["weights"]["k"]["quant"]["scale"] = [0.002] * 8
-    assert order_tflite.quant_model(same) is None
+    assert armnn_tflite.quant_model(same) is None
 
 
 def test_the_order_as_stored_gives_the_model_the_compiler_saw():
@@ -84,11 +84,11 @@ def test_the_order_as_stored_gives_the_model_the_compiler_saw():
     stored, blob2 = orders.scale_refs_out(order, blob, min_count=2)
     assert stored["order_version"] == orders.SCALE_REF_ORDER_VERSION and not isinstance(
         stored["weights"]["k"]["quant"]["scale"], list)
-    assert order_tflite.quant_model(orders.resolve_scales(stored, blob2)) == order_tflite.quant_model(order)
+    assert armnn_tflite.quant_model(orders.resolve_scales(stored, blob2)) == armnn_tflite.quant_model(order)
 
 
 def test_nonzero_zero_points_are_written_per_channel():
     order = _order(depthwise=False)
     order["weights"]["k"]["quant"]["zero_point"] = list(range(8))
-    got = _tensors(order_tflite.quant_model(order))
+    got = _tensors(armnn_tflite.quant_model(order))
     assert got["k"]["zero_point"] == list(range(8)) and got["b"]["zero_point"] == []

@@ -44,7 +44,7 @@ on CpuRef, and by tests/board on CpuAcc with both APIs):
   (armnn_tflite.py; bundles of 2026-12-05 also carry it as the partition's
   ``tflite`` member, which is the same bytes and no longer read) holds each per-axis weight as a tensor, and the builder takes its
   TensorInfo from ITfLiteParser.GetNetworkInputBindingInfo (only CreateNetworkFromBinaryFile
-  exists in either binding: the member goes through a temporary file), with Arm NN's shape. The
+  exists in either binding: the model goes through a temporary file), with Arm NN's shape. The
   quantized dimension must be Arm NN's: 20.08 refuses a depthwise kernel's unless it is 0 (its
   [M, C, KH, KW]), 23.08's CpuRef reads [1, KH, KW, C*M] scales along dim 3 (measured wrong along
   0), hence the member's second, 1HWO tensor per depthwise kernel. ACL's fully connected takes no

@@ -14,8 +14,8 @@ depthwise and concat work-arounds); the parser only supplies the types.
 
 Made at load, not stored: everything in it is in the order (its scales are in the order's blob
 once), and a bundle of EfficientNet-Lite0 carried 188 KB of such members (3% of its INT8 bytes).
-Bundles written before that hold it as the partition's ``tflite`` member; the executor reads that
-when it is there. The writer is ``flatbuffers``' Builder (onnxruntime's dependency, so on every
+Bundles written on 2026-12-05 also hold it as the partition's ``tflite`` member: the same bytes,
+no longer read. The writer is ``flatbuffers``' Builder (onnxruntime's dependency, so on every
 board) with the schema's field slots below, checked against the ``tflite`` package's own reader
 (tests/agent/test_armnn_tflite.py); the model is a pure function of the order.
 """
@@ -38,8 +38,9 @@ TFLITE_1HWO = ":1HWO"
 def is_depthwise(op: Mapping, kshape, cin: int) -> bool:
     """A conv2d that is depthwise: said so, or one group per input channel with our [C*M, KH, KW, 1]
     kernel. The writer and the executor's layer builder both ask this."""
-    groups = int((op.get("attrs") or {}).get("groups", 1))
-    return op.get("type") == "conv2d" and (bool((op.get("attrs") or {}).get("depthwise")) or (
+    attrs = op.get("attrs") or {}
+    groups = int(attrs.get("groups", 1))
+    return op.get("type") == "conv2d" and (bool(attrs.get("depthwise")) or (
         groups > 1 and groups == cin and int(kshape[-1]) == 1))
 
 
