@@ -150,6 +150,7 @@ def test_an_int8_yolox_compiles_within_the_promise_each_output_gets(lite0, tmp_p
     fp32 = wild.fetch("yolox_det")
     q, hm = tmp_path / "yolox.int8.onnx", tmp_path / "yolox.int8.hmod"
     run_cli("tandoor", "quantize", str(fp32), "--calibration", str(lite0["calib"]), "--images", "20",
+            "--report-images", "1",      # the layer report is not what is tested here: half the time
             "--pixel-range", "0-255", "--target", "aarch64", "-o", str(q), "-q", check=True)
     res = run_cli("tandoor", "compile", str(q), "-o", str(hm), "-q", "--measure", "off", "--pixel-range", "0-255")
     assert res.returncode == 0, res.stderr
