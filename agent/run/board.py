@@ -2,6 +2,7 @@
 
     board_model()             the device-tree model ("Radxa ROCK 5B") or platform + CPU name
     configure_tvm_threads()   TVM's thread pool sized to this board's CPUs, before it starts
+    ort_session_config()      onnxruntime's worker threads set to share the cores with TVM's
     DEFAULT_ARMNN_BACKENDS    the Arm NN backends an order asks for, best first
 """
 
@@ -54,3 +55,21 @@ def spin_count(threads: int, load: float | None = None) -> str:
         except OSError:      # no load average (some containers): the cores are taken to be ours
             load = 0.0
     return SLEEPING if load >= BUSY_LOAD_PER_THREAD * max(threads, 1) else SPINNING
+
+
+# onnxruntime's session entries by TVM's spin decision above. Spinning inside a run is most of
+# onnxruntime's speed on a VM whose thread wake-ups are slow; spinning *between* runs is what fought
+# TVM's pool (docs/benchmarks.md, agent overhead), and session.force_spinning_stop ends it the moment
+# a run returns. Measured on 2 vCPUs at load 1.5 (EfficientNet-Lite0 bundles, delegate onnxruntime,
+# docs/benchmarks.md "onnxruntime's threads in the hybrid"): fp32 (1 order) 5.36-5.61 -> 4.38-4.60 ms,
+# INT8 (11 orders between TVM's adds) 4.44-4.59 -> 3.62-3.82 ms against no spinning at all.
+ORT_SPIN = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
+ORT_SLEEP = {"session.intra_op.allow_spinning": "0"}
+
+
+def ort_session_config() -> dict[str, str]:
+    """The session config entries for an onnxruntime session that shares this process's cores with
+    TVM: its workers spin within a run when TVM's idle workers spin (the cores are this process's,
+    :func:`spin_count`) and sleep when TVM's sleep."""
+    spin = configure_tvm_threads()["TVM_THREAD_POOL_SPIN_COUNT"]
+    return dict(ORT_SLEEP if spin.strip() in ("", "0") else ORT_SPIN)

@@ -264,9 +264,12 @@ class HybridModule:
         except Exception as err:
             raise RuntimeError_(f"this model ends in ops run by onnxruntime after the TVM part ({ops}), and "
                                 f"onnxruntime is not importable here ({_first_line(err)}): install onnxruntime") from None
+        from .board import ort_session_config
+
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")   # as the onnxruntime executor
+        for key, value in ort_session_config().items():   # as the onnxruntime executor
+            so.add_session_config_entry(key, value)
         try:
             session = ort.InferenceSession(bundle.read(tail["onnx"]), so, providers=["CPUExecutionProvider"])
         except hmod.BundleError:

@@ -488,6 +488,33 @@ def test_onnxruntime_writes_into_the_callers_buffer(base):
         np.testing.assert_array_equal(got, want)
 
 
+
+@pytest.mark.parametrize("tvm_spin, spins", [("300000", True), ("0", False)])
+def test_onnxruntime_workers_spin_within_a_run_only_when_tvms_do(base, monkeypatch, tvm_spin, spins):
+    """The executor's session takes TVM's spin decision (agent/run/board.py): spinning workers that
+    stop when a run returns on cores of its own, sleeping workers on shared ones; onnxruntime's
+    own defaults (spinning on between runs too) never."""
+    from tandoor_agent.run import board
+    from tandoor_agent.run.executors.ort import OrtExecutor
+
+    monkeypatch.setenv("TVM_THREAD_POOL_SPIN_COUNT", tvm_spin)
+    with hmod.open_bundle(base) as b:
+        part = [p for p in b.manifest["partitions"] if p["delegate"]][0]
+        order, onnx_bytes = b.order(part["symbol"]), b.read(part["onnx"])
+        external = {name: b.read(member) for name, member in part["onnx_external"].items()}
+    so = OrtExecutor(order, onnx_bytes, external=external).session.get_session_options()
+    entries = {}
+    for key in board.ORT_SPIN:
+        try:
+            entries[key] = so.get_session_config_entry(key)
+        except RuntimeError:     # onnxruntime's way of saying the entry is not set
+            pass
+    if spins:
+        assert entries == {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
+    else:
+        assert entries == {"session.intra_op.allow_spinning": "0"}
+
+
 @needs_armnn
 def test_auto_prefers_onnxruntime_when_armnn_has_no_acl_backend(base, tmp_path):
     """On a host whose Arm NN has only CpuRef (a slow reference backend), auto must not pick it."""

@@ -45,11 +45,14 @@ class OrtExecutor:
         handed to onnxruntime in memory: nothing is written to disk."""
         import onnxruntime as ort
 
+        from ..board import ort_session_config
+
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        # Spinning worker threads fight TVM's thread pool (and the camera thread) on a few cores:
-        # measured 2-5x slower hybrid inference on 2 cores with spinning on.
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Workers that spin between runs fight TVM's pool (and the camera thread) on a few cores
+        # (measured 2-5x slower with onnxruntime's defaults); within a run they are its speed.
+        for key, value in ort_session_config().items():
+            so.add_session_config_entry(key, value)
         if threads:
             so.intra_op_num_threads = threads
         if external:
