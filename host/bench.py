@@ -342,7 +342,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
         paths: list[_Path] = []
         try:
             # onnxruntime as a user gets it (its defaults: spinning worker threads), and without
-            # spinning as the hybrid's onnxruntime executor runs it; the baseline is the better
+            # spinning (as the hybrid's executor runs it on a loaded machine); the baseline is the better
             builders = [(name, lambda spin=spin: _ort_path(model, inputs, n_threads, spinning=spin))
                         for name, (spin, _) in ORT_CONFIGS.items()]
             builders += [("tvm", lambda: _hybrid_path("tvm", tvm_bundle, "tvm", inputs))]
