@@ -10,7 +10,8 @@ know no op by name.
 
 The constraints follow Arm NN 20.08 / ACL and TVM v0.19's ACL integration:
   - float32, or a QDQ-quantized conv2d/dense (int8/uint8 activations per tensor, int8 weights per
-    tensor or per output channel: the "q" entries), tensors of rank <= 4, static shapes;
+    tensor or per output channel) or residual add (the "q" entries), tensors of rank <= 4, static
+    shapes;
   - conv2d in NHWC with a constant OHWI kernel; depthwise (groups == C_in) is ACL's
     NEDepthwiseConvolutionLayer; other grouped convolutions have no Arm NN 20.08 layer;
   - pools in NHWC with padding smaller than the window (ACL's pooling validation);
@@ -832,6 +833,17 @@ def _dense_kernel(call: relax.Call) -> np.ndarray:
     return _const(call.args[1]).T                            # [N, K]: out features on axis 0
 
 
+def bias_limit(kernel: np.ndarray) -> int:
+    """The largest int32 bias code whose sum with any accumulator of the kernel stays an int32.
+    ACL adds the bias to the int32 accumulator in wrapping arithmetic; a channel whose weights are
+    all but zero beside a real bias has a tiny kernel scale, and its bias code sits at int32's end:
+    EfficientNet-Lite0's stem (two of 32 channels, multipliers ~1e-8) wrapped to +14 and +22 steps
+    on CpuAcc where CpuRef and onnxruntime clamp to 0. Such a code moves by at most this headroom,
+    which those channels' multipliers make a few thousandths of a step."""
+    per_channel = int(np.prod(kernel.shape[1:]))          # |code| <= 128, |x - zero point| <= 255
+    return 2 ** 31 - 1 - per_channel * 128 * 255
+
+
 def _quantized_weights(m: Match, kernel: np.ndarray) -> dict:
     """The int8 kernel, the int32 bias (scale: input scale x kernel scale) and the activations'
     quant, registered with the order."""
@@ -844,7 +856,8 @@ def _quantized_weights(m: Match, kernel: np.ndarray) -> dict:
     if "_bias" in m.variant:
         b = _const(m.call("relax.add").args[1]).reshape(-1).astype(np.float64)
         bscale = np.asarray(kq.scale) * q_in.scale[0]
-        bq = np.clip(np.round(b / np.broadcast_to(bscale, b.shape)), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+        lim = bias_limit(kernel)
+        bq = np.clip(np.round(b / np.broadcast_to(bscale, b.shape)), -lim, lim).astype(np.int32)
         weights["bias"] = m.add_weight(bq, "bias", orders.Quant(tuple(float(x) for x in bscale), (0,) * len(kq.scale), kq.axis))
     return weights
 
@@ -860,6 +873,55 @@ def emit_qdense(m: Match) -> list[dict]:
     weights = _quantized_weights(m, _dense_kernel(mm))
     return [_op(m, "dense", [m.name_of(m.call("relax.dequantize").args[0])], {"activation": _act_of(m)}, weights)]
 
+def _qadd_rules() -> list[Rule]:
+    """quantize(act?(add(dequantize(a), dequantize(b)))): a residual add between int8 tensors, each
+    read with its own scale and zero point and the sum requantized to the output's (ACL's
+    NEArithmeticAddition takes three quantizations). Without it every residual add of a QDQ model
+    cut its int8 order in two (EfficientNet-Lite0: 9 adds, 11 orders)."""
+    rules = []
+    for act in [EPILOGUES[k] for k in QUANT_ACTS] + [None]:
+        dqa = is_op("relax.dequantize")(wildcard(), is_const(), is_const())
+        dqb = is_op("relax.dequantize")(wildcard(), is_const(), is_const())
+        add = is_op("relax.add")(dqa, dqb)
+        p, ann = add, {"root": add, "dqa": dqa, "dqb": dqb}
+        if act:
+            p = act.epilogue(p)
+            ann["act"] = p
+        q = is_op("relax.quantize")(p, is_const(), is_const())
+        ann["q"] = q
+        rules.append(Rule("acl.qadd" + ("_" + act.kind if act else ""), q, ann, _check_qadd))
+    return rules
+
+
+def _check_qadd(ann: Mapping[str, relax.Expr]) -> str | None:
+    add, q, dqs = ann["root"], ann["q"], (ann["dqa"], ann["dqb"])
+    if any(_is_const(d.args[0]) for d in dqs):
+        return "a quantized add of a constant: orders add quantized tensors only"
+    src = [_dtype(d.args[0]) for d in dqs]
+    if src[0] != src[1] or src[0] not in INT8_ACTIVATIONS:
+        return f"dequantize of {' and '.join(src)}: a quantized add takes two int8 or two uint8 tensors"
+    if _dtype(q) != src[0]:
+        return f"quantized from {src[0]} to {_dtype(q)}: ACL's quantized kernels keep the activation type"
+    if any(_const(a).size != 1 for d in (*dqs, q) for a in (d.args[1], d.args[2])):
+        return "per-channel activation quantization: ACL quantizes activations per tensor"
+    shapes = [_shape(d.args[0]) for d in dqs]
+    if shapes[0] is None or shapes[0] != shapes[1] or shapes[0] != _shape(add):
+        return "a quantized add that broadcasts: only equal shapes (residual adds) are delegated"
+    if len(shapes[0]) > 4:
+        return f"rank-{len(shapes[0])} tensor: Arm NN's kernels take rank <= 4"
+    return None
+
+
+def emit_qadd(m: Match) -> list[dict]:
+    ins = []
+    for dq in (c for c in m.calls if c.op.name == "relax.dequantize"):
+        name = m.name_of(dq.args[0])
+        m.set_quant(name, _qparams(dq.args[1], dq.args[2]))
+        ins.append(name)
+    q = m.call("relax.quantize")
+    m.set_quant(m.out, _qparams(q.args[1], q.args[2]))
+    return [_op(m, "binary", ins, {"kind": "add", "activation": _act_of(m)})]
+
 # --- the table ---------------------------------------------------------------------------------
 
 def _entries() -> list[Entry]:
@@ -874,6 +936,8 @@ def _entries() -> list[Entry]:
         Entry("qdense", "dense", tuple(_quantized_rules(
             "dense", lambda x: is_op("relax.matmul")(x, is_const()), check_dense, _dense_kernel)), emit_qdense,
               "QDQ fully connected: int8/uint8 in and out, int8 kernel, int32 bias"),
+        Entry("qadd", "binary", tuple(_qadd_rules()), emit_qadd,
+              "QDQ add of two int8/uint8 tensors of one shape (residual adds), relu/clip"),
         Entry("conv2d", "conv2d", tuple(_with_epilogue("conv2d", conv, check_conv2d)), emit_conv2d,
               "convolution (ordinary, depthwise, dilated) + per-channel bias + activation"),
         Entry("conv2d_transpose", "conv2d_transpose",

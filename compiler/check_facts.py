@@ -296,6 +296,37 @@ def rounding_noise(model: onnx.ModelProto, seed: int = 1) -> onnx.ModelProto:
     return out
 
 
+# One requantization in this many rounds a step the other way in requant_flips: a quantized layer
+# alone on ACL (fixed-point requantization) against onnxruntime's float one is within a step on
+# every element and equal on 95% or more (tests/agent/test_quantized_orders.py).
+FLIP_RATE = 0.05
+
+
+def requant_flips(model: onnx.ModelProto, rate: float = FLIP_RATE, seed: int = 1) -> onnx.ModelProto:
+    """A copy of a QDQ ``model`` in which each QuantizeLinear's input moves by one of its steps,
+    up or down, on a ``rate`` fraction of its elements (onnxruntime's RandomUniformLike, fixed
+    seeds): another implementation's roundings, whose drift through the following layers is what
+    an INT8 order's probe allows (tandoor_contract.probe.drift). Per-tensor scales only."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = []
+    for n in out.graph.node:
+        if n.op_type == "QuantizeLinear" and n.domain in ("", "ai.onnx"):
+            x, t = n.input[0], f"{n.input[0]}#flip{len(nodes)}"
+            h = onnx.helper.make_node
+            nodes += [h("RandomUniformLike", [x], [t + "u"], low=0.0, high=1.0, seed=float(seed * 100003 + len(nodes))),
+                      h("RandomUniformLike", [x], [t + "v"], low=-1.0, high=1.0, seed=float(seed * 100003 + len(nodes) + 1)),
+                      h("Constant", [], [t + "r"], value=onnx.helper.make_tensor("r", TensorProto.FLOAT, [], [rate])),
+                      h("Less", [t + "u", t + "r"], [t + "m"]), h("Cast", [t + "m"], [t + "mf"], to=TensorProto.FLOAT),
+                      h("Sign", [t + "v"], [t + "s"]), h("Mul", [t + "mf", t + "s"], [t + "f"]),
+                      h("Mul", [t + "f", n.input[1]], [t + "d"]), h("Add", [x, t + "d"], [t + "x"])]
+            n.input[0] = t + "x"
+        nodes.append(n)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def _spread(runs: Sequence[Mapping[str, np.ndarray]], output: str, free: Sequence[np.ndarray | None]) -> float | None:
     """The largest change of ``output`` in the noisy runs (:class:`Reference` with ``noisy``),
     over the elements no tie makes arbitrary (``free[k]``: run k's, from :func:`ties`): a rounding

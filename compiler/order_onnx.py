@@ -535,6 +535,8 @@ class _Renderer:
         kind = op["attrs"].get("kind")
         if kind not in _BINARY:
             raise ValueError(f"binary kind {kind!r} has no ONNX rendering")
+        if any(self.tensors[t].get("quant") for t in [*op["inputs"], op["output"]]):
+            return self._qadd(op)
         it = iter(op["inputs"])
         operands = []
         for role in ("lhs", "rhs"):
@@ -548,6 +550,21 @@ class _Renderer:
         if next(it, None) is not None:
             raise ValueError(f"binary -> {op['output']}: more inputs than operands")
         self.node(_BINARY[kind], operands, self.output(op))
+
+    def _qadd(self, op: dict) -> None:
+        """A quantized add (orders.QUANT_OPS): each input dequantized with its own quant, the sum
+        requantized; onnxruntime fuses the group into QLinearAdd."""
+        y = op["output"]
+        ins = op["inputs"]
+        qs = [orders.quant_of(self.tensors[t], t) for t in [*ins, y]]
+        dtypes = {self.tensors[t]["dtype"] for t in [*ins, y]}
+        if op["attrs"].get("kind") != "add" or op.get("weights") or len(ins) != 2 or None in qs or len(dtypes) != 1:
+            raise ValueError(f"binary -> {y}: a quantized binary is an add of two tensors of its output's "
+                             "int8/uint8 type")
+        xs = [self.dequantize(self.nhwc(t), q, self.tensors[t]["dtype"], f"{t}__in{i}")
+              for i, (t, q) in enumerate(zip(ins, qs))]
+        s = self.node("Add", xs, self.fresh(f"{y}__sum"))
+        self.requantize(op, s, op["attrs"].get("activation"), qs[2], self.output(op))
 
     def _op_concat(self, op: dict) -> None:
         self.node("Concat", [self.nhwc(t) for t in op["inputs"]], self.output(op), axis=int(op["attrs"]["axis"]))

@@ -594,18 +594,39 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
     return members, parts_manifest, fallbacks
 
 
+PROBE_DRIFT_SEEDS = (1, 2)
+
+
 def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
     """onnxruntime's outputs of the order's ONNX rendering on the probe inputs, sampled
-    (tandoor_contract.probe)."""
+    (tandoor_contract.probe); for an INT8 order, with each quantized output's drift under
+    check_facts.requant_flips (the most over PROBE_DRIFT_SEEDS)."""
+    import onnx
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    ext = np.frombuffer(blob, np.uint8)
-    so.add_external_initializers_from_files_in_memory([f"{symbol}.bin"], [ext], [len(blob)])
-    sess = ort.InferenceSession(onnx_bytes, so, providers=["CPUExecutionProvider"])
-    return probe.pack(sess.run([o["name"] for o in order["outputs"]],
-                               dict(zip([i["name"] for i in order["inputs"]], probe.inputs(order)))))
+    from .check_facts import requant_flips
+
+    def session(model: bytes):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        ext = np.frombuffer(blob, np.uint8)
+        so.add_external_initializers_from_files_in_memory([f"{symbol}.bin"], [ext], [len(blob)])
+        return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+    names = [o["name"] for o in order["outputs"]]
+    feeds = dict(zip([i["name"] for i in order["inputs"]], probe.inputs(order)))
+    outs = session(onnx_bytes).run(names, feeds)
+    drift = None
+    if orders.is_quantized(order) and any(np.asarray(o).dtype.kind in "iu" for o in outs):
+        drift = [None if np.asarray(o).dtype.kind not in "iu" else (0.0, 0.0) for o in outs]
+        rendering = onnx.load_from_string(onnx_bytes)
+        for seed in PROBE_DRIFT_SEEDS:
+            flipped = session(requant_flips(rendering, seed=seed).SerializeToString()).run(names, feeds)
+            for j, (a, b) in enumerate(zip(outs, flipped)):
+                if drift[j] is not None:
+                    steps = np.abs(np.asarray(a, np.int64) - np.asarray(b, np.int64))
+                    drift[j] = (max(drift[j][0], float(np.mean(steps > 1))), max(drift[j][1], float(steps.max())))
+    return probe.pack(outs, drift)
 
 
 def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:

@@ -547,7 +547,7 @@ def compute_note(int8_share: float) -> str:
     rest = ("float32 between each DequantizeLinear and QuantizeLinear (TVM computes the dequantized values)")
     if int8_share <= 0:
         return f"{rest}, within the recorded tolerance"
-    return (f"int8 kernels for {int8_share:.1%} of the FLOPs (the delegated quantized conv2d/dense orders: int8 "
+    return (f"int8 kernels for {int8_share:.1%} of the FLOPs (the delegated quantized conv2d/dense/add orders: int8 "
             f"weights and activations), the rest in {rest}, within the recorded tolerance")
 
 

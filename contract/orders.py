@@ -171,6 +171,17 @@ QUANT_DTYPES: dict[str, tuple[int, int]] = {"int8": (-128, 127), "uint8": (0, 25
                                             "int32": (-2 ** 31, 2 ** 31 - 1)}
 TENSOR_DTYPES = ("float32", *QUANT_DTYPES)
 
+# The op types a quantized tensor may flow through, and what each does with it. An agent whose
+# table lacks an entry refuses such an op when it builds the order, and the order runs on its ONNX
+# rendering (onnxruntime) instead: no version bump, no wrong numbers.
+QUANT_OPS: dict[str, str] = {
+    "conv2d": "x and y int8 (or both uint8), int8 kernel (per tensor or per output channel, zero "
+              "points 0), int32 bias of scale x scale times kernel scale; relu/clip on y's quantization",
+    "dense": "as conv2d",
+    "binary": "kind add of two tensors of y's dtype and shape, each read with its own quant and the "
+              "sum requantized to y's; relu/clip (since 2026-12-05: older agents run it on onnxruntime)",
+}
+
 
 def float32_text(x: float) -> float:
     """``x`` rounded to float32, as the float with the fewest digits that is still that float32:

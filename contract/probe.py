@@ -94,9 +94,10 @@ def _multiplier(n: int) -> int:
     return p
 
 
-def pack(outputs: Sequence[np.ndarray]) -> bytes:
+def pack(outputs: Sequence[np.ndarray], drift: Sequence[tuple[float, float] | None] | None = None) -> bytes:
     """The recorded sample of each output (its size and multiplier, and the values at
-    ``sample_indices``) as one .npz member."""
+    ``sample_indices``) as one .npz member; ``drift``: per quantized output, how far a correct
+    implementation that rounds its requantizations differently moved it (:func:`drift`)."""
     arrays: dict[str, np.ndarray] = {"version": np.int64(PROBE_VERSION)}
     for j, a in enumerate(outputs):
         a = np.asarray(a)
@@ -104,6 +105,8 @@ def pack(outputs: Sequence[np.ndarray]) -> bytes:
         p = _multiplier(flat.size)
         arrays[f"n{j}"], arrays[f"p{j}"] = np.int64(flat.size), np.int64(p)
         arrays[f"v{j}"] = flat[sample_indices(flat.size, p)]
+        if drift is not None and drift[j] is not None:
+            arrays[f"d{j}"] = np.array(drift[j], np.float64)
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
     return buf.getvalue()
@@ -143,6 +146,28 @@ def unpack(data: bytes) -> list[tuple[np.ndarray, np.ndarray]]:
 
 class _Version(Exception):
     pass
+
+
+# An INT8 order's drift (optional ``d{j}`` entries, 2026-12-05; readers that do not know them keep
+# the strict rule): [fraction of the output's elements more than 1 step off, most steps off] between
+# the order as the compiler ran it and the same order with one requantization in twenty rounding a
+# step the other way (compiler/check_facts.requant_flips). One-step differences grow layer by
+# layer: EfficientNet-Lite0's residual blocks in one order ended 8% of their elements more than a
+# step apart, up to 45 steps, whichever layers rounded differently, and ACL on CpuAcc was as far
+# (8.6%, 41 steps) while the model's logits stayed within 2 of their 7 steps.
+def drift(data: bytes) -> list[tuple[float, float] | None]:
+    """Per output, the recorded drift (fraction, steps), or None where the probe has none."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            n = sum(1 for k in z.files if k[0] == "v" and k[1:].isdigit())
+            out: list[tuple[float, float] | None] = []
+            for j in range(n):
+                d = z[f"d{j}"].astype(np.float64).reshape(-1) if f"d{j}" in z.files else None
+                ok = d is not None and d.size == 2 and bool(np.all(np.isfinite(d))) and bool(np.all(d >= 0))
+                out.append((float(d[0]), float(d[1])) if ok else None)
+            return out
+    except Exception as e:
+        raise ValueError(f"not a probe member ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
 
 
 def sampled(outputs: Sequence[np.ndarray], recorded: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:

@@ -332,6 +332,62 @@ def test_quantized_op_on_armnn_agrees_with_onnxruntime(case):
         assert exact >= 0.95
 
 
+# --- a quantized add: two int8 tensors, each with its own quantization ---------------------------
+
+ADD_CASES = [("int8", None), ("int8", "relu"), ("uint8", None), ("uint8", "clip")]
+
+
+def build_add(dtype: str, act: str | None) -> Built:
+    """a + b -> y (orders.QUANT_OPS "binary"): a residual add whose inputs and output each have
+    their own scale and zero point; onnxruntime's QDQ run (fused into QLinearAdd) is the answer."""
+    rng = np.random.default_rng(list(f"add-{dtype}-{act}".encode()))
+    lo, hi = QRANGE[dtype]
+    shape = (1, 8, 8, 16)
+    a, b = codes(dtype, shape, rng), codes(dtype, shape, rng)
+    (sa, za), (sb, zb) = (0.05, lo + 120), (0.11, lo + 140)
+    acc = (a.astype(np.float64) - za) * sa + (b.astype(np.float64) - zb) * sb
+    sy, zy = _out_quant(acc, dtype)
+    act_obj = {"kind": "relu"} if act == "relu" else (
+        {"kind": "clip", "min": -2.0, "max": 4.0} if act == "clip" else None)
+    o = QOrder()
+    o.input("a", qspec(shape, dtype, sa, za))
+    o.input("b", qspec(shape, dtype, sb, zb))
+    o.op("binary", ["a", "b"], "y", qspec(shape, dtype, sy, zy), {"kind": "add", "activation": act_obj})
+    inits = {"sa": np.array(sa, np.float32), "za": np.array(za, dtype), "sb": np.array(sb, np.float32),
+             "zb": np.array(zb, dtype), "sy": np.array(sy, np.float32), "zy": np.array(zy, dtype)}
+    nodes = [helper.make_node("DequantizeLinear", ["a", "sa", "za"], ["af"]),
+             helper.make_node("DequantizeLinear", ["b", "sb", "zb"], ["bf"]),
+             helper.make_node("Add", ["af", "bf"], ["s"]), *act_nodes(act_obj, "s", "r", inits),
+             helper.make_node("QuantizeLinear", ["r", "sy", "zy"], ["y"])]
+    ref = onnx_model(nodes, {"a": (dtype, list(shape)), "b": (dtype, list(shape))}, {"y": dtype}, inits)
+    want = ort_run(ref, {"a": a, "b": b})[0]
+    order, blob = o.build(["y"])
+    return Built(order, blob, np.stack([a, b]), want, ref)
+
+
+@needs_armnn
+@pytest.mark.parametrize("dtype, act", ADD_CASES, ids=lambda v: str(v))
+def test_a_quantized_add_on_armnn_agrees_with_onnxruntime(dtype, act):
+    """Arm NN's addition takes each input's quantization as it is (no requantizing copies), and the
+    compiler's ONNX rendering of the order (what onnxruntime runs on the board) gives the same."""
+    from tandoor_compiler.order_onnx import order_to_onnx
+
+    b = build_add(dtype, act)
+    lo, hi = QRANGE[dtype]
+    assert np.mean((b.want == lo) | (b.want == hi)) < 0.05 and len(np.unique(b.want)) > 40
+    with ax.ArmnnExecutor(b.order, b.blob) as ex:
+        assert ex.input_dtypes == [np.dtype(dtype)] * 2 and ex.output_dtypes == [np.dtype(dtype)]
+        got = ex.run([b.x[0], b.x[1]])[0]
+    worst, exact = agreement(got, b.want)
+    print(f"\nadd {dtype} {act} on {ex.backend}: {exact:.2%} of {got.size} exact, at most {worst} step(s)")
+    if ex.backend == "CpuRef":   # measured: every element equal, as for the convolutions
+        assert (worst, exact) == (0, 1.0)
+    else:   # ACL requantizes in fixed point
+        assert worst <= 1 and exact >= 0.95
+    rendered = ort_run(order_to_onnx(b.order, b.blob).SerializeToString(), {"a": b.x[0], "b": b.x[1]})[0]
+    np.testing.assert_array_equal(rendered, b.want)
+
+
 @needs_armnn
 def test_run_into_takes_and_writes_int8_buffers():
     b = build(Case("conv", "int8", 1, "relu"))
@@ -459,8 +515,15 @@ def _set(path, value):
     return edit
 
 
+def _quantized_mul(order):
+    order["ops"].append({"type": "binary", "inputs": ["y", "y"], "output": "m", "attrs": {"kind": "mul"}})
+    order["tensors"]["m"] = qspec([1, 8, 8, 16], "int8", 0.1, 0)
+    order["outputs"] = [{"name": "m", **order["tensors"]["m"]}]
+
+
 REFUSED = {
     "pool2d": (_pool, "op 1 (pool2d -> 'p'): a quantized pool2d is not supported yet"),
+    "quantized mul": (_quantized_mul, "op 1 (binary -> 'm'): a quantized binary is an add of two tensors"),
     "float input": (_float_input, "mixes float32 and quantized tensors"),
     "uint8 output": (_uint8_output, "int8 input, uint8 output"),
     "sigmoid": (_set(["ops", 0, "attrs", "activation"], {"kind": "sigmoid"}),
@@ -502,6 +565,24 @@ def test_differs_counts_quantized_outputs_in_steps():
     # the probe member records the codes as float32: the same rule
     assert ax.differs([off(want.size // 3, 1)], [want.astype(np.float32)]) is None
     assert "more than 1 quantization step" in ax.differs([off(20, 2)], [want.astype(np.float32)])
+
+
+def test_differs_allows_a_deep_int8_orders_recorded_drift_and_no_more():
+    """A probe's drift (tandoor_contract.probe.drift: what another rounding of each requantization
+    did to the order's output at compile time) widens the rule by DRIFT_MARGIN, for that output only."""
+    want = codes("int8", (1, 20, 20, 16))
+    g = want.astype(np.int16)
+    n = want.size * 8 // 100                                    # 8% of the elements, 30 steps off
+    g.flat[:n] = np.where(g.flat[:n] > 0, g.flat[:n] - 30, g.flat[:n] + 30)
+    got = g.astype(np.int8)
+    assert "at most 30 steps" in ax.differs([got], [want])                      # the strict rule
+    assert ax.differs([got], [want], [(0.09, 44.0)]) is None                    # within what was measured
+    assert ax.differs([got], [want], [None]) is not None                        # no drift for this output
+    why = ax.differs([got], [want], [(0.02, 44.0)])                             # 8% > 1.5 x 2%
+    assert "allows 3.0%, 66 steps" in why
+    assert "allows" in ax.differs([got], [want], [(0.09, 10.0)])                # 30 > max(12.8, 15)
+    # a builder defect (the 20.08 depthwise: most of an output wrong) is past any drift
+    assert ax.differs([codes("int8", want.shape)], [want], [(0.09, 44.0)]) is not None
 
 
 # --- onnxruntime and TVM executors, the VM's DLTensors ------------------------------------------

@@ -1,6 +1,6 @@
-"""Quantized orders (order_version 2): a QDQ model's convolutions and dense layers are delegated as
-int8 kernels (int8 activations and weights, int32 biases), not as float32 between dequantize and
-quantize. The reference is onnxruntime running the QDQ model onnxruntime's own quantizer made.
+"""Quantized orders (order_version 2): a QDQ model's convolutions, dense layers and residual adds
+are delegated as int8 kernels (int8 activations and weights, int32 biases), not as float32 between
+dequantize and quantize. The reference is onnxruntime running the QDQ model onnxruntime's own quantizer made.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from support.cli import manifest_of, run_cli
 from support.qdq import quantized_small_cnn
 from tandoor_compiler import acl
 from tandoor_agent.run.executors import armnn_tflite
-from tandoor_contract import hmod, orders
+from tandoor_contract import hmod, orders, probe
 
 RNG = np.random.default_rng(20261202)
 
@@ -58,12 +58,19 @@ def test_the_convs_and_the_dense_layer_become_int8_orders(qdq):
     weights, acts, paths = qdq
     qorders = _quantized_orders(paths["hmod"])
     ops = [op for o in qorders for op in o["ops"]]
-    assert sorted(op["type"] for op in ops) == ["conv2d", "conv2d", "conv2d", "dense"]
+    assert sorted(op["type"] for op in ops) == ["binary", "conv2d", "conv2d", "conv2d", "dense"]
+    # the residual add is an int8 add of two int8 tensors, inside the convolutions' order: the
+    # block is one order, not three
+    (add,) = [op for op in ops if op["type"] == "binary"]
+    assert add["attrs"]["kind"] == "add" and len(add["inputs"]) == 2 and not add.get("weights")
+    (block,) = [o for o in qorders if add in o["ops"]]
+    assert [op["type"] for op in block["ops"]] == ["conv2d", "conv2d", "conv2d", "binary"]
     for o in qorders:
         for n, t in o["tensors"].items():
             assert t["dtype"] == acts and len(orders.quant_of(t, n).scale) == 1
-    kernels = [o["weights"][op["weights"]["kernel"]] for o in qorders for op in o["ops"]]
-    biases = [o["weights"][op["weights"]["bias"]] for o in qorders for op in o["ops"]]
+    weighted = [op for o in qorders for op in o["ops"] if op["type"] != "binary"]
+    kernels = [o["weights"][op["weights"]["kernel"]] for o in qorders for op in o["ops"] if op in weighted]
+    biases = [o["weights"][op["weights"]["bias"]] for o in qorders for op in o["ops"] if op in weighted]
     assert all(k["dtype"] == "int8" and k["nbytes"] == int(np.prod(k["shape"])) for k in kernels)
     assert all(b["dtype"] == "int32" for b in biases)
     per_axis = {orders.quant_of(k).axis is not None for k in kernels}
@@ -78,8 +85,9 @@ def test_the_convs_and_the_dense_layer_become_int8_orders(qdq):
     assert all(len(m) < 4096 for m in models.values() if m)
     man = manifest_of(paths["hmod"])
     conv_flops = 2 * (16 * 16 * 16 * 27 + 16 * 16 * 16 * 9 + 16 * 16 * 16 * 16) + 2 * 16 * 10
+    add_flops = 4 * 16 * 16 * 16   # the residual add: two dequantizes, the add, the quantize
     # the MACs, and the elementwise work riding along (bias, dequantize, quantize: one per element)
-    assert conv_flops <= man["flops_delegated_int8"] <= 1.1 * conv_flops
+    assert conv_flops + add_flops <= man["flops_delegated_int8"] <= 1.1 * conv_flops + add_flops
     assert "int8 kernels for" in man["quantized"]["compute"]
     # the TVM fallbacks take the orders' int8 bytes: the kernels are stored once, as int8
     b = hmod.open_bundle(paths["hmod"])
@@ -174,3 +182,61 @@ def test_the_tvm_side_keeps_int8_kernels_once_for_every_target(tmp_path):
     res = run_cli("tandoor-agent", "run", str(bad))
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
     assert "lib_params[0]" in res.stderr and "recompile the model" in res.stderr, res.stderr
+
+
+def test_each_int8_orders_probe_records_its_rounding_drift(qdq):
+    """The load-time check of a deep INT8 order allows what one requantization in twenty rounding
+    the other way did to its output at compile time (tandoor_contract.probe.drift)."""
+    weights, acts, paths = qdq
+    with hmod.open_bundle(paths["hmod"]) as b:
+        drifts = {p["symbol"]: probe.drift(b.read(p["probe"])) for p in b.manifest["partitions"]
+                  if p["delegate"] and orders.is_quantized(b.order(p["symbol"]))}
+    assert drifts and all(len(d) == 1 and d[0] is not None for d in drifts.values()), drifts
+    assert all(0.0 <= d[0][0] <= 1.0 and 0.0 <= d[0][1] <= 255.0 for d in drifts.values()), drifts
+
+
+def test_a_bias_code_at_int32s_end_leaves_room_for_the_accumulator(tmp_path):
+    """A channel whose weights are all but zero beside a real bias (EfficientNet-Lite0's stem has
+    two): its int32 bias code sat at int32's end, and ACL's wrapping int32 sum of bias and
+    accumulator gave +14/+22 steps on CpuAcc where the reference clamps. The order's bias codes
+    leave room for any accumulator; the bundle still agrees with onnxruntime."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    xs, ys = np.float32(0.02), np.float32(0.05)
+    ws = np.linspace(0.005, 0.02, 8).astype(np.float32)      # per channel: no one scale fits them
+    ws[3] = 1e-9                                              # a dead channel
+    w = rng.integers(-127, 128, (8, 4, 3, 3)).astype(np.int8)
+    b = np.round(rng.normal(0, 0.5, 8) / (xs * ws)).clip(-2 ** 31, 2 ** 31 - 1).astype(np.int32)
+    b[3] = -2 ** 31 + 5                                       # its bias: int32's end
+    w2 = rng.integers(-127, 128, (8, 8, 1, 1)).astype(np.int8)   # a second conv: the first's output stays NHWC
+    inits = [numpy_helper.from_array(a, n) for n, a in {
+        "xs": xs, "xz": np.int8(0), "ys": ys, "yz": np.int8(-128), "w": w, "ws": ws, "wz": np.zeros(8, np.int8),
+        "b": b, "bs": (xs * ws).astype(np.float32), "bz": np.zeros(8, np.int32), "w2": w2, "w2s": np.float32(0.01),
+        "w2z": np.int8(0), "zs": np.float32(0.1), "zz": np.int8(0)}.items()]
+    N = helper.make_node
+    nodes = [N("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), N("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             N("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0), N("DequantizeLinear", ["b", "bs", "bz"], ["bd"], axis=0),
+             N("Conv", ["xd", "wd", "bd"], ["c"], pads=[1, 1, 1, 1]), N("Relu", ["c"], ["r"]),
+             N("QuantizeLinear", ["r", "ys", "yz"], ["yq"]), N("DequantizeLinear", ["yq", "ys", "yz"], ["yd"]),
+             N("DequantizeLinear", ["w2", "w2s", "w2z"], ["w2d"]), N("Conv", ["yd", "w2d"], ["c2"]),
+             N("QuantizeLinear", ["c2", "zs", "zz"], ["zq"]), N("DequantizeLinear", ["zq", "zs", "zz"], ["y"])]
+    g = helper.make_graph(nodes, "dead_channel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], inits)
+    model = tmp_path / "dead.qdq.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(model))
+    out = tmp_path / "dead.hmod"
+    res = run_cli("tandoor", "compile", str(model), "-o", str(out), "-q", "--policy", "all", "--measure", "off")
+    assert res.returncode == 0, res.stderr
+    (order,) = _quantized_orders(out)
+    with hmod.open_bundle(out) as bundle:
+        part = [p for p in bundle.manifest["partitions"] if p["delegate"]][0]
+        blob = bundle.read(part["weights"])
+    conv = order["ops"][0]
+    spec = order["weights"][conv["weights"]["bias"]]
+    codes = np.frombuffer(blob, "<i4", count=8, offset=spec["offset"])
+    room = 2 ** 31 - 1 - 4 * 3 * 3 * 128 * 255
+    assert int(np.abs(codes.astype(np.int64)).max()) <= room and codes[3] == -room
+    res = run_cli("tandoor", "verify", str(out), "--reference", str(model), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["ok"], res.stdout + res.stderr

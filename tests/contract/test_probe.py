@@ -73,3 +73,14 @@ def test_a_member_that_is_no_probe_is_refused_in_one_line():
     np.savez(buf, version=np.int64(probe.PROBE_VERSION + 1), i0=np.arange(2), v0=np.zeros(2, np.float32))
     with pytest.raises(ValueError, match=f"probe version {probe.PROBE_VERSION + 1}"):
         probe.unpack(buf.getvalue())
+
+
+def test_an_int8_outputs_drift_is_read_back_and_its_absence_is_none():
+    codes = np.random.default_rng(3).integers(-128, 128, (1, 7, 7, 32), dtype=np.int8)
+    floats = np.zeros((2, 3), np.float32)
+    data = probe.pack([codes, floats], [(0.09, 44.0), None])
+    assert probe.drift(data) == [(0.09, 44.0), None]
+    assert [len(i) for i, _ in probe.unpack(data)] == [codes.size, 6]   # the sample is as before
+    assert probe.drift(probe.pack([codes])) == [None]          # a probe without drift (every older one)
+    with pytest.raises(ValueError, match="not a probe member"):
+        probe.drift(b"junk")

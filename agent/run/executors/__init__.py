@@ -90,8 +90,10 @@ def _check_order(ex, ctx: BuildContext, armnn) -> None:
     member = ctx.part.get("probe")
     if member:
         try:
-            recorded = probe.unpack(ctx.bundle.read(member))
-            why = armnn.differs(probe.sampled(ex.run(probe.inputs(ctx.order)), recorded), [v for _, v in recorded])
+            data = ctx.bundle.read(member)
+            recorded = probe.unpack(data)
+            why = armnn.differs(probe.sampled(ex.run(probe.inputs(ctx.order)), recorded), [v for _, v in recorded],
+                                probe.drift(data))
         except ValueError as e:
             raise Unavailable(f"the order's probe cannot be checked ({e})") from None
     else:
