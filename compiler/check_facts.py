@@ -306,12 +306,18 @@ def requant_flips(model: onnx.ModelProto, rate: float = FLIP_RATE, seed: int = 1
     """A copy of a QDQ ``model`` in which each QuantizeLinear's input moves by one of its steps,
     up or down, on a ``rate`` fraction of its elements (onnxruntime's RandomUniformLike, fixed
     seeds): another implementation's roundings, whose drift through the following layers is what
-    an INT8 order's probe allows (tandoor_contract.probe.drift). Per-tensor scales only."""
+    an INT8 order's probe allows (tandoor_contract.probe.drift). Per-tensor activations only: a
+    constant's QuantizeLinear (a weight) and per-axis ones stay as they are."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    consts = {i.name: i for i in out.graph.initializer}
+    consts.update({n.output[0]: n.attribute[0].t for n in out.graph.node
+                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
     nodes = []
     for n in out.graph.node:
-        if n.op_type == "QuantizeLinear" and n.domain in ("", "ai.onnx"):
+        scale = consts.get(n.input[1]) if n.op_type == "QuantizeLinear" and len(n.input) > 1 else None
+        if (n.op_type == "QuantizeLinear" and n.domain in ("", "ai.onnx") and n.input[0] not in consts
+                and scale is not None and int(np.prod(scale.dims)) == 1):
             x, t = n.input[0], f"{n.input[0]}#flip{len(nodes)}"
             h = onnx.helper.make_node
             nodes += [h("RandomUniformLike", [x], [t + "u"], low=0.0, high=1.0, seed=float(seed * 100003 + len(nodes))),

@@ -191,3 +191,32 @@ def test_a_rounding_that_reorders_tied_rows_does_not_widen_the_promise(tmp_path)
     promise = check_facts.promise(ref.facts, runs)
     assert promise["outputs"]["boxes3"]["atol"] == agreement.DEFAULT["atol"], promise["outputs"]["boxes3"]
     assert promise["outputs"]["boxes"]["atol"] == agreement.DEFAULT["atol"], promise["outputs"]["boxes"]
+
+
+def test_requant_flips_moves_one_activation_code_in_twenty_by_a_step_and_leaves_weights_alone():
+    """check_facts.requant_flips (an INT8 order's probe drift): each QuantizeLinear of an activation
+    rounds a step the other way on FLIP_RATE of its elements; a weight's QuantizeLinear is kept."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tandoor_compiler.check_facts import FLIP_RATE, requant_flips
+
+    inits = [numpy_helper.from_array(np.float32(0.1), "s"), numpy_helper.from_array(np.int8(0), "z"),
+             numpy_helper.from_array(np.linspace(-3, 3, 64).astype(np.float32).reshape(1, 64), "w")]
+    N = helper.make_node
+    g = helper.make_graph([N("QuantizeLinear", ["x", "s", "z"], ["xq"]), N("QuantizeLinear", ["w", "s", "z"], ["wq"])],
+                          "flips", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [200, 64])],
+                          [helper.make_tensor_value_info("xq", TensorProto.INT8, None),
+                           helper.make_tensor_value_info("wq", TensorProto.INT8, None)], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    flipped = requant_flips(model, seed=3)
+    assert sum(n.op_type == "RandomUniformLike" for n in flipped.graph.node) == 2    # the activation's only
+    x = np.random.default_rng(0).uniform(-5, 5, (200, 64)).astype(np.float32)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+    (a, wa), (b, wb) = run(model), run(flipped)
+    moved = np.abs(a.astype(int) - b.astype(int))
+    assert moved.max() == 1 and abs(float(np.mean(moved == 1)) - FLIP_RATE) < 0.015
+    np.testing.assert_array_equal(wa, wb)
