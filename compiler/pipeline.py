@@ -616,19 +616,21 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
     names = [o["name"] for o in order["outputs"]]
     feeds = dict(zip([i["name"] for i in order["inputs"]], probe.inputs(order)))
     outs = session(onnx_bytes).run(names, feeds)
-    drift = None
-    if orders.is_quantized(order) and any(np.asarray(o).dtype.kind in "iu" for o in outs):
-        drift = [None if np.asarray(o).dtype.kind not in "iu" else (0.0, 0.0) for o in outs]
-        try:
-            rendering = onnx.load_from_string(onnx_bytes)
-            for seed in PROBE_DRIFT_SEEDS:
-                flipped = session(requant_flips(rendering, seed=seed).SerializeToString()).run(names, feeds)
-                for j, (a, b) in enumerate(zip(outs, flipped)):
-                    if drift[j] is not None:
-                        steps = np.abs(np.asarray(a, np.int64) - np.asarray(b, np.int64))
-                        drift[j] = (max(drift[j][0], float(np.mean(steps > 1))), max(drift[j][1], float(steps.max())))
-        except Exception:   # no drift recorded: the agent keeps the strict rule for this order
-            drift = None
+    if not orders.is_quantized(order) or not any(np.asarray(o).dtype.kind in "iu" for o in outs):
+        return probe.pack(outs)
+    try:
+        rendering = onnx.load_from_string(onnx_bytes)
+        runs = [session(requant_flips(rendering, seed=seed).SerializeToString()).run(names, feeds)
+                for seed in PROBE_DRIFT_SEEDS]
+    except Exception:   # no drift recorded: the agent keeps the strict rule for this order
+        return probe.pack(outs)
+    drift = []
+    for j, a in enumerate(outs):
+        if np.asarray(a).dtype.kind not in "iu":
+            drift.append(None)
+            continue
+        steps = [np.abs(np.asarray(a, np.int64) - np.asarray(r[j], np.int64)) for r in runs]
+        drift.append((max(float(np.mean(s > 1)) for s in steps), max(float(s.max()) for s in steps)))
     return probe.pack(outs, drift)
 
 

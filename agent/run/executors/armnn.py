@@ -208,6 +208,9 @@ class QuantOp:
         return (k.astype(np.int16) + self.kernel_shift).astype(self.kernel.np_dtype)
 
 
+# An integer output's defect rule: more than this fraction of its elements more than a step off,
+# or any element more than this many steps (5% of a byte type's 256 codes).
+WRONG_FRACTION, WRONG_STEPS = 1e-3, 0.05 * 256
 # How far past the drift the compiler recorded for an INT8 output (tandoor_contract.probe.drift)
 # a result may be before it counts as a defect: Arm NN's builder defects were 95% of an output
 # wrong, rounding drift is what the compiler measured; the margin keeps another seed's worth.
@@ -234,11 +237,10 @@ def differs(got: Sequence[np.ndarray], want: Sequence[np.ndarray],
             steps = np.abs(g64 - w64)
             wrong = float(np.mean(steps > 1)) if steps.size else 0.0
             worst = float(steps.max()) if steps.size else 0.0
-            d = drift[j] if drift is not None and j < len(drift) else None
-            max_wrong = max(1e-3, DRIFT_MARGIN * d[0]) if d else 1e-3
-            max_steps = max(0.05 * 256, DRIFT_MARGIN * d[1]) if d else 0.05 * 256
+            d = (drift[j] if drift is not None and j < len(drift) else None) or (0.0, 0.0)
+            max_wrong, max_steps = max(WRONG_FRACTION, DRIFT_MARGIN * d[0]), max(WRONG_STEPS, DRIFT_MARGIN * d[1])
             if wrong > max_wrong or worst > max_steps:
-                allowed = f" (the order's rounding drift allows {max_wrong:.1%}, {max_steps:.0f} steps)" if d else ""
+                allowed = f" (the order's rounding drift allows {max_wrong:.1%}, {max_steps:.0f} steps)" if any(d) else ""
                 return (f"output {j}: {wrong:.1%} of its elements differ from onnxruntime's by more than 1 "
                         f"quantization step, at most {worst:.0f} steps{allowed}")
             continue
@@ -876,10 +878,7 @@ class ArmnnExecutor:
         if wdtype.get("kernel") != "int8" or wdtype.get("bias", "int32") != "int32":
             raise UnsupportedOrder(f"{where}: a quantized {typ} takes an int8 kernel and an int32 bias, not "
                                    f"{wdtype.get('kernel')} and {wdtype.get('bias', 'none')}")
-        act = attrs.get("activation")
-        if act is not None and str(act.get("kind")) not in ("relu", "clip"):
-            raise UnsupportedOrder(f"{where}: {act.get('kind')} fused into a quantized {typ}; only relu and clip are "
-                                   "(the others have no quantized semantics in order_version 2)")
+        self._quant_activation(where, typ, attrs)
         fix = "quantize the kernel per tensor, or run this order on onnxruntime"
         kq = _quant(wspecs["kernel"], f"{where} kernel")
         if kq.varies:
@@ -911,10 +910,16 @@ class ArmnnExecutor:
         if any(t is None for t in tq) or len({t.armnn for t in tq}) != 1:
             raise UnsupportedOrder(f"{where}: a quantized add takes and gives one int8/uint8 type, not "
                                    f"{', '.join(self._tensor_dtype(n) for n in names)}")
+        self._quant_activation(where, "add", attrs)
+        return tq[2]
+
+    @staticmethod
+    def _quant_activation(where: str, what: str, attrs: Mapping[str, Any]) -> None:
+        """A quantized op fuses relu or clip (an ActivationLayer on its output's quantization) or nothing."""
         act = attrs.get("activation")
         if act is not None and str(act.get("kind")) not in ("relu", "clip"):
-            raise UnsupportedOrder(f"{where}: {act.get('kind')} fused into a quantized add; only relu and clip are")
-        return tq[2]
+            raise UnsupportedOrder(f"{where}: {act.get('kind')} fused into a quantized {what}; only relu and clip are "
+                                   "(the others have no quantized semantics in order_version 2)")
 
     def _per_axis_op(self, where: str, typ: str, op: Mapping[str, Any], attrs: Mapping[str, Any],
                      wts: Mapping[str, str], kq: orders.Quant, x: QType, y: QType) -> QuantOp:
