@@ -297,7 +297,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
     from tandoor_agent.run.board import configure_tvm_threads
 
     threads = configure_tvm_threads()      # before anything starts TVM's thread pool
-    load = round(os.getloadavg()[0], 2)    # what the idle-worker rule (spin or sleep) just saw
+    load = round(os.getloadavg()[0], 2)    # for the record; the spin rule saw threads['busy_elsewhere']
     n_threads = int(threads["TVM_NUM_THREADS"])
 
     import onnxruntime

@@ -9,6 +9,9 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 from tandoor_contract.profile import board_model  # noqa: F401  (one description of a machine)
 
@@ -24,9 +27,9 @@ def first_line(err: BaseException) -> str:
 def configure_tvm_threads() -> dict:
     """TVM's runtime reads TVM_NUM_THREADS when its pool starts, and counts 1 on a 2-vCPU VM
     when unset; unbound threads (TVM_BIND_THREADS=0) survive other processes on the same cores
-    far better (measured 3-5x less latency under load); idle workers spin or sleep by the load
-    (:func:`spin_count`). Sets each unless the user did; must run before the first parallel TVM
-    call. Returns the values in force."""
+    far better (measured 3-5x less latency under load); idle workers spin or sleep by what else
+    keeps the cores busy (:func:`spin_count`). Sets each unless the user did (or an earlier call
+    did); must run before the first parallel TVM call. Returns the values in force."""
     if not os.environ.get("TVM_NUM_THREADS"):
         try:
             n = len(os.sched_getaffinity(0))
@@ -34,8 +37,15 @@ def configure_tvm_threads() -> dict:
             n = os.cpu_count() or 1
         os.environ["TVM_NUM_THREADS"] = str(max(n, 1))
     os.environ.setdefault("TVM_BIND_THREADS", "0")
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", spin_count(int(os.environ["TVM_NUM_THREADS"])))
-    return {k: os.environ[k] for k in ("TVM_NUM_THREADS", "TVM_BIND_THREADS", "TVM_THREAD_POOL_SPIN_COUNT")}
+    global _busy_seen
+    if "TVM_THREAD_POOL_SPIN_COUNT" not in os.environ:      # measured once per process
+        _busy_seen = busy_elsewhere()
+        os.environ["TVM_THREAD_POOL_SPIN_COUNT"] = spin_count(int(os.environ["TVM_NUM_THREADS"]), _busy_seen)
+    return {**{k: os.environ[k] for k in ("TVM_NUM_THREADS", "TVM_BIND_THREADS", "TVM_THREAD_POOL_SPIN_COUNT")},
+            **({"busy_elsewhere": round(_busy_seen, 2)} if _busy_seen is not None else {})}
+
+
+_busy_seen: float | None = None     # what the spin decision saw, for benches to report
 
 
 # Idle TVM workers spin between kernels (TVM's own default, 300000 turns) when the cores are this
@@ -43,18 +53,49 @@ def configure_tvm_threads() -> dict:
 # (load 0.7-1.0), spinning took PP-LCNet's TVM-only run 4.76 -> 2.73 ms and YOLOv8n's 17.2 -> 13.8 ms;
 # at load 6 from other jobs, spinning workers stalled each other (PP-LCNet 8.5 ms vs 2.8 asleep).
 SPINNING, SLEEPING = "300000", "0"
-BUSY_LOAD_PER_THREAD = 0.5      # 1-minute load average per TVM thread from which the cores count as shared
+BUSY_PER_THREAD = 0.5       # cores other work keeps busy, per TVM thread, from which the cores count as shared
+# How long the decision watches the cores. Not the 1-minute load average: that still counts a
+# process that just ended, so an agent restarted after itself (an update's swap, systemd's restart)
+# or a bench after a bench took its own predecessor for other work and slept (EfficientNet-Lite0's
+# hybrid 0.66-0.68x of fp32 instead of 0.62-0.65x). 0.1 s is 10 ticks of each core's clock.
+BUSY_SAMPLE_S = 0.1
 
 
-def spin_count(threads: int, load: float | None = None) -> str:
-    """TVM_THREAD_POOL_SPIN_COUNT for a pool of ``threads`` when the load average (default: this
-    machine's now) is ``load``."""
-    if load is None:
+def busy_elsewhere(*, root: str | Path = "/proc", interval: float = BUSY_SAMPLE_S,
+                   sleep: Callable[[float], None] = time.sleep) -> float | None:
+    """Cores kept busy by other processes over ``interval`` seconds: the busy ticks of
+    ``root``/stat less this process's own (``root``/self/stat), per core's elapsed ticks. None
+    when they cannot be read (no /proc)."""
+    root = Path(root)
+
+    def ticks() -> tuple[int, int, int, int]:
+        lines = (root / "stat").read_text().splitlines()
+        f = [int(v) for v in lines[0].split()[1:9]]     # user nice system idle iowait irq softirq steal
+        cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+        own = (root / "self" / "stat").read_text().rsplit(")", 1)[1].split()   # after "pid (comm)"
+        return sum(f) - f[3] - f[4], sum(f), max(cores, 1), int(own[11]) + int(own[12])   # busy, all, cores, utime+stime
+
+    try:
+        busy0, all0, cores, own0 = ticks()
+        sleep(interval)
+        busy1, all1, _, own1 = ticks()
+    except (OSError, ValueError, IndexError):
+        return None
+    elapsed = (all1 - all0) / cores         # ticks of one core's clock
+    return max(busy1 - busy0 - (own1 - own0), 0) / elapsed if elapsed > 0 else 0.0
+
+
+def spin_count(threads: int, busy: float | None = None) -> str:
+    """TVM_THREAD_POOL_SPIN_COUNT for a pool of ``threads`` when other work keeps ``busy`` cores
+    busy (default: :func:`busy_elsewhere` now, else the 1-minute load average)."""
+    if busy is None:
+        busy = busy_elsewhere()
+    if busy is None:
         try:
-            load = os.getloadavg()[0]
-        except OSError:      # no load average (some containers): the cores are taken to be ours
-            load = 0.0
-    return SLEEPING if load >= BUSY_LOAD_PER_THREAD * max(threads, 1) else SPINNING
+            busy = os.getloadavg()[0]
+        except OSError:      # neither (some containers): the cores are taken to be ours
+            busy = 0.0
+    return SLEEPING if busy >= BUSY_PER_THREAD * max(threads, 1) else SPINNING
 
 
 # onnxruntime's session entries by TVM's spin decision above. Spinning inside a run is most of

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+import time
+
 import pytest
 
 from support.cli import run_cli
@@ -86,11 +88,58 @@ def test_best_run_ratios_are_the_same_arithmetic_on_each_paths_fastest_run(res):
 def test_idle_tvm_workers_spin_on_cores_of_their_own_and_sleep_on_shared_ones(monkeypatch):
     from tandoor_agent.run import board
 
-    assert board.spin_count(2, load=0.4) == board.SPINNING == "300000"     # TVM's own default
-    assert board.spin_count(2, load=1.0) == board.spin_count(1, load=0.5) == board.SLEEPING == "0"
+    assert board.spin_count(2, busy=0.4) == board.SPINNING == "300000"     # TVM's own default
+    assert board.spin_count(2, busy=1.0) == board.spin_count(1, busy=0.5) == board.SLEEPING == "0"
     monkeypatch.setenv("TVM_NUM_THREADS", "2")
     monkeypatch.setenv("TVM_THREAD_POOL_SPIN_COUNT", "1234")                # the user's choice stands
     assert board.configure_tvm_threads()["TVM_THREAD_POOL_SPIN_COUNT"] == "1234"
     monkeypatch.delenv("TVM_THREAD_POOL_SPIN_COUNT")
-    monkeypatch.setattr(board.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
-    assert board.configure_tvm_threads()["TVM_THREAD_POOL_SPIN_COUNT"] == "0"
+    monkeypatch.setattr(board, "busy_elsewhere", lambda: 1.6)
+    monkeypatch.setattr(board, "_busy_seen", None)
+    threads = board.configure_tvm_threads()
+    assert threads["TVM_THREAD_POOL_SPIN_COUNT"] == "0" and threads["busy_elsewhere"] == 1.6
+
+
+def _proc_tree(root, *, busy: int, idle: int, own: int, cores: int = 2):
+    """A /proc with the two files busy_elsewhere reads: ticks summed over the cores, this process's."""
+    (root / "self").mkdir(parents=True, exist_ok=True)
+    per_core = "".join(f"cpu{i} 0 0 0 0 0 0 0 0 0 0\n" for i in range(cores))
+    (root / "stat").write_text(f"cpu  {busy - 10} 0 10 {idle - 5} 5 0 0 0 0 0\n{per_core}intr 1 2 3\n")
+    (root / "self" / "stat").write_text(f"4242 (tandoor (agent)) S 1 1 1 0 -1 0 0 0 0 0 {own - 3} 3 0 0 20 0\n")
+
+
+def test_the_spin_rule_counts_other_processes_cores_now_not_its_own_or_the_last_minutes(tmp_path):
+    """busy_elsewhere reads /proc (here a tree under tmp_path whose second sample the 'sleep'
+    writes): 2 cores x 10 ticks elapsed, 15 of them busy, 5 this process's own -> 1.0 core of
+    other work; a process name with ') ' in it does not shift the fields."""
+    from tandoor_agent.run import board
+
+    _proc_tree(tmp_path, busy=1000, idle=3000, own=100)
+    got = board.busy_elsewhere(root=tmp_path, sleep=lambda s: _proc_tree(tmp_path, busy=1015, idle=3005, own=105))
+    assert got == pytest.approx(1.0)
+    assert board.spin_count(2, got) == board.SLEEPING
+    # this process's own work, however much, is not other work
+    _proc_tree(tmp_path, busy=1000, idle=3000, own=100)
+    got = board.busy_elsewhere(root=tmp_path, sleep=lambda s: _proc_tree(tmp_path, busy=1018, idle=3002, own=118))
+    assert got == pytest.approx(0.0) and board.spin_count(2, got) == board.SPINNING
+    assert board.busy_elsewhere(root=tmp_path / "none") is None      # no /proc: the load average decides
+
+
+def test_two_processes_burning_both_cores_make_idle_workers_sleep():
+    """Real processes, the real /proc: two busy loops keep 2 cores busy, which no 0.5-per-thread
+    rule can take for cores of this process's own."""
+    import subprocess
+    import sys
+
+    from tandoor_agent.run import board
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.3)
+        got = board.busy_elsewhere(interval=0.5)
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    assert got is not None and got >= 1.0, got
+    assert board.spin_count(2, got) == board.SLEEPING
