@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,43 @@ ACTIVATIONS_BY_ARCH: dict[str, tuple[str, str]] = {
     "aarch64": ("int8", "ACL's int8 kernels (Arm NN QAsymmS8) and the Cortex-A76's signed dot-product "
                         "instructions want int8 activations; onnxruntime on Arm fuses either"),
 }
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """What the fp32 lead's rules read of a Conv: its weight's shape and group."""
+    cin: int        # input channels
+    cout: int
+    taps: int       # kernel height x width
+    group: int
+    stride: int     # the largest of its strides
+
+    @property
+    def depthwise(self) -> bool:
+        return self.group > 1 and self.group == self.cin == self.cout
+
+
+# The fp32 lead: convolutions that int8 makes slower on an architecture's CPU kernels, kept in fp32
+# where they read a float tensor (the model's input, or another such layer's output), so that
+# nothing is added: the first quantize moves to where int8 starts to pay. Per architecture whose
+# kernels decide (the targets' boards, else this host, as for the activation type): (name, applies
+# to the conv, why). Measured with onnxruntime 1.32, 2 threads, by scripts/bench-int8-lead.py
+# (docs/int8.md, "The fp32 lead"); the boards' ACL kernels were not found slower, so aarch64 has none.
+FP32_LEAD_BY_ARCH: dict[str, tuple[tuple[str, Callable[[ConvShape], bool], str], ...]] = {
+    "x86_64": (
+        ("small stem", lambda c: c.group == 1 and c.cin <= 4 and c.taps * c.cin <= 75,
+         "a first conv of at most 4 input channels and 75 taps (3x3, 5x5): onnxruntime's int8 conv with its input's "
+         "quantize takes 1.3-1.8x the fp32 conv with its output's (a 7x7 stem, ResNet's, is left to int8)"),
+        ("depthwise", lambda c: c.depthwise and c.stride == 1,
+         "a stride-1 depthwise conv after it: onnxruntime's u8s8 depthwise kernel takes 1.04-1.6x (16-64 channels "
+         "at 112x112)"),
+    ),
+}
+# Ops a float tensor passes through on its way to a lead conv (layout, padding, activations, and
+# elementwise arithmetic: a normalisation baked into the model, HardSwish written as
+# x * HardSigmoid(x)): kept fp32 with the conv they feed.
+_LEAD_PASS = frozenset({"Transpose", "Reshape", "Pad", "Relu", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish",
+                        "Sigmoid", "Identity", "Add", "Sub", "Mul", "Div"})
 MIN_SAMPLES = 10           # fewer gives ranges from a handful of frames; 100-500 is usual
 REPORT_SAMPLES = 4         # calibration samples the per-layer report runs (it keeps every tensor of both models)
 KEEP_CANDIDATES = 8        # the layers losing most, each tried in fp32 to measure what keeping it would buy
@@ -73,12 +111,10 @@ CONSTANT_REWRITES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], str]
 }
 
 
-def activations_for(targets: Iterable[str] = ()) -> tuple[str, str]:
-    """(activation type, why) for a bundle compiled for ``targets`` (as `tandoor compile --target`:
-    host is always in it). The boards decide when there are any: the bundle is made for them, its
-    host lib is for `tandoor verify` and the health gate's golden check, which run either type. With
-    host alone, this host's architecture decides. One type for the whole bundle: its orders are one
-    set of int8 tensors for every target (docs/int8.md, "Which activation type")."""
+def _deciding_arch(targets: Iterable[str] = ()) -> tuple[str, str, str, bool]:
+    """(target name, its architecture, this host's architecture, whether boards are among the
+    targets): the boards decide when there are any (the bundle is made for them; its host lib is
+    for `tandoor verify` and the health gate's golden check), else this host does."""
     import platform
 
     from .targets import PRESETS
@@ -91,11 +127,70 @@ def activations_for(targets: Iterable[str] = ()) -> tuple[str, str]:
         if name != "host":
             archs.append((name, PRESETS[name].arch))
     name, arch = archs[0] if archs else ("host", host_arch)
+    return name, arch, host_arch, bool(archs)
+
+
+def activations_for(targets: Iterable[str] = ()) -> tuple[str, str]:
+    """(activation type, why) for a bundle compiled for ``targets`` (as `tandoor compile --target`:
+    host is always in it), by the architecture that decides (:func:`_deciding_arch`). One type for
+    the whole bundle: its orders are one set of int8 tensors for every target (docs/int8.md, "Which
+    activation type")."""
+    name, arch, host_arch, boards = _deciding_arch(targets)
     if arch not in ACTIVATIONS_BY_ARCH:
         raise CompileError(f"no activation type is known for {arch} (target {name}); give --activations int8|uint8")
     act, why = ACTIVATIONS_BY_ARCH[arch]
-    also = "" if not archs else f"; the {host_arch} host lib runs it for checks only"
+    also = "" if not boards else f"; the {host_arch} host lib runs it for checks only"
     return act, f"for {name} ({arch}): {why}{also}"
+
+
+def _conv_shape(node: onnx.NodeProto, weight: onnx.TensorProto) -> ConvShape | None:
+    dims = list(weight.dims)
+    if len(dims) < 3:
+        return None
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    strides = next((list(a.ints) for a in node.attribute if a.name == "strides"), [1])
+    return ConvShape(cin=dims[1] * group, cout=dims[0], taps=int(np.prod(dims[2:])), group=group,
+                     stride=max(strides or [1]))
+
+
+def _lead_why(arch: str, led: list[tuple[str, str | None]]) -> str:
+    used = {r for _, r in led if r}
+    return f"{arch}: " + "; ".join(why for name, _, why in FP32_LEAD_BY_ARCH[arch] if name in used)
+
+
+def fp32_lead(model: onnx.ModelProto, arch: str) -> list[tuple[str, str | None]]:
+    """The nodes of ``model`` (after onnxruntime's pre-processing) to keep in fp32 at its start on
+    ``arch``: [(node name, the FP32_LEAD_BY_ARCH rule that keeps it, None for an op on the way to
+    one)], in graph order. Empty when no rule applies, which leaves the model as it was."""
+    rules = FP32_LEAD_BY_ARCH.get(arch, ())
+    g = model.graph
+    consts = {i.name: i for i in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant":
+            consts.update({o: None for o in n.output})
+    floats = {i.name for i in g.input if i.name not in consts}
+    taken: list[tuple[onnx.NodeProto, str | None]] = []
+    for n in g.node if rules else ():
+        data = [x for x in n.input if x and x not in consts]
+        if not n.name or not data or not all(x in floats for x in data):
+            continue
+        rule = None
+        if n.op_type == "Conv":
+            shape = _conv_shape(n, consts[n.input[1]]) if consts.get(n.input[1]) is not None else None
+            rule = next((name for name, applies, _ in rules if shape is not None and applies(shape)), None)
+            if rule is None:
+                continue
+        elif n.op_type not in _LEAD_PASS:
+            continue
+        taken.append((n, rule))
+        floats.update(o for o in n.output if o)
+    # an op on the way stays fp32 only where it feeds a kept conv (else its tensor is quantized as before)
+    kept, feeds = [], set()
+    for n, rule in reversed(taken):
+        if rule is not None or any(o in feeds for o in n.output):
+            kept.append((n.name, rule))
+            feeds.update(n.input)
+    return kept[::-1]
 
 
 def activations_of(model: onnx.ModelProto) -> str | None:
@@ -174,7 +269,7 @@ def quantize_model(model: str | Path, out: str | Path, *,
                    calibration: Callable[[list[frontend.TensorSpec]], Iterable[list[np.ndarray]]], count: int,
                    inputs: list[str] | tuple[str, ...] = (), method: str = "minmax", per_channel: bool = True,
                    activations: str | None = None, targets: Iterable[str] = (), keep_fp32: Iterable[str] = (),
-                   report_samples: int = REPORT_SAMPLES,
+                   lead: bool = True, report_samples: int = REPORT_SAMPLES,
                    metadata: dict | None = None,
                    progress: Callable[[int, int], None] | None = None,
                    say: Callable[[str], None] | None = None) -> dict:
@@ -192,6 +287,8 @@ def quantize_model(model: str | Path, out: str | Path, *,
             choose the activation type when ``activations`` is None.
         keep_fp32: node names (of the model after onnxruntime's pre-processing, as the layer report
             names them) to leave in fp32: onnxruntime's ``nodes_to_exclude``.
+        lead: keep the model's first layers in fp32 where the deciding architecture's int8 kernels
+            are slower for them (:data:`FP32_LEAD_BY_ARCH`); False quantizes every layer.
         report_samples: calibration samples (spread over them) the per-layer report compares on;
             more is steadier and costs memory (every tensor of both models, per sample).
         metadata: recorded beside the settings in the output's metadata_props (e.g. preprocessing),
@@ -254,6 +351,11 @@ def quantize_model(model: str | Path, out: str | Path, *,
             if unknown := [k for k in keep if k not in known]:
                 raise CompileError(f"--keep-fp32 {unknown[0]}: the model has no node of that name after onnxruntime's "
                                    "pre-processing; take the names from tandoor quantize's layer report (--report FILE)")
+        _, arch, _, _ = _deciding_arch(targets)
+        led = fp32_lead(onnx.load(str(pre)), arch) if lead else []
+        exclude = keep + [n for n, _ in led if n not in keep]
+        if led:
+            say(f"the fp32 lead on {arch}: " + ", ".join(f"{n} ({r})" for n, r in led if r))
         staged = Path(tmp) / "q.onnx"
         say(f"calibrating on {count} sample(s) ({method}) and quantizing"
             + (f", {len(keep)} node(s) kept in fp32" if keep else ""))
@@ -267,18 +369,20 @@ def quantize_model(model: str | Path, out: str | Path, *,
                                 nodes_to_exclude=exclude, calibration_cache_path=str(ranges))
             return dst
 
-        run_quantizer(staged, keep, reader)
+        run_quantizer(staged, exclude, reader)
         if reader.seen < count:
             raise CompileError(f"the calibration source gave {reader.seen} sample(s), not the {count} asked for; "
                                "give --images N at most the number of images (or frames) it has")
         say(f"comparing every layer with fp32 on {len(reader.kept)} calibration sample(s)")
         report = layer_report(pre, staged, reader.kept, tmp=Path(tmp),
-                              requantize=lambda node: run_quantizer(Path(tmp) / "trial.onnx", keep + [node], None))
+                              requantize=lambda node: run_quantizer(Path(tmp) / "trial.onnx", exclude + [node], None))
         q = onnx.load(str(staged))
     settings = {"method": method, "per_channel": per_channel, "activations": activations,
                 "activations_why": activations_why, "targets": ["host", *(t for t in targets if t != "host")],
                 "samples": reader.seen,
                 "source": loaded.path.name, "source_sha256": loaded.sha256, **({"keep_fp32": keep} if keep else {}),
+                **({"fp32_lead": {n: r or "on the way" for n, r in led},
+                    "fp32_lead_why": _lead_why(arch, led)} if led else {}),
                 **({"constant_ops_rewritten": rewritten} if rewritten else {}),
                 **(metadata or {})}
     del q.metadata_props[:]

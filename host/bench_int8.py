@@ -81,7 +81,9 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
     why = settings.get("activations_why") or (
         "recorded by tandoor quantize without a reason (made before the choice by target)" if settings.get("activations")
         else "read from the model's QuantizeLinear zero points (it records no tandoor quantize settings)")
-    activations = {"type": act, "why": why, "host_wants": host_wants, "host_why": host_why}
+    activations = {"type": act, "why": why, "host_wants": host_wants, "host_why": host_why,
+                   **({"fp32_lead": settings["fp32_lead"], "fp32_lead_why": settings.get("fp32_lead_why")}
+                      if settings.get("fp32_lead") else {})}
     if images is not None:
         from . import calibration as calib
 
@@ -215,6 +217,10 @@ def print_int8(res: dict) -> None:
     if act["type"] and act["host_wants"] and act["type"] != act["host_wants"]:
         c.print(f"  on this host {act['host_wants']} is wanted {act['host_why']}; the host routes above are slower "
                 "than a model quantized for the host alone gets (tandoor quantize without --target)")
+    if act.get("fp32_lead"):
+        convs = ", ".join(n for n, r in act["fp32_lead"].items() if r != "on the way")
+        c.print(f"  kept in fp32 at the start (the fp32 lead): {convs}, as int8 is slower for them on "
+                f"{act['fp32_lead_why']}")
     a = res.get("accuracy")
     if a:
         from .agreement import describe

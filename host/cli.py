@@ -25,7 +25,17 @@ from tandoor_contract import agreement, hmod, media, orders
 from tandoor_contract.errors import TandoorError
 
 from .inputs import InputFile
-from .quantize import accuracy_options, budget_options, check_budget, judge, keep_fp32_option, quantize, verify_on_images
+from .quantize import (
+    accuracy_options,
+    budget_options,
+    check_budget,
+    judge,
+    keep_fp32_option,
+    lead_option,
+    print_lead,
+    quantize,
+    verify_on_images,
+)
 
 DEBUG = os.environ.get("TANDOOR_DEBUG", "") not in ("", "0")
 _native_log: Path | None = None     # where fd 2 goes while a command runs (without --debug)
@@ -205,6 +215,7 @@ def main() -> None:
               help="With --int8 or --npu: calibrate on N images (default: the directory's; 300 frames of a video, "
                    "50 with --npu).")
 @keep_fp32_option
+@lead_option
 @budget_options
 @click.option("--no-cache", is_flag=True,
               help="Compile even when the compile cache holds this model with these options (and do not store the "
@@ -214,8 +225,8 @@ def main() -> None:
 @debug_option
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
             build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
-            decoder_opts, int8, npu, npu_dtype, calibration, calib_count, keep_fp32, validation, max_drop, no_cache,
-            timings, quiet):
+            decoder_opts, int8, npu, npu_dtype, calibration, calib_count, keep_fp32, all_int8, validation, max_drop,
+            no_cache, timings, quiet):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
@@ -232,9 +243,9 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
                 mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                 pad_value=pad_value, pixel_range=pixel_range))
         calibration = calib_count = None
-    if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32) and not int8) \
+    if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32 or all_int8) and not int8) \
             or (max_drop is not None and not (int8 or npu)):
-        raise CompileError("--int8 and --calibration go together (--images, --keep-fp32 and --max-drop with them, or "
+        raise CompileError("--int8 and --calibration go together (--images, --keep-fp32, --all-int8 and --max-drop with them, or "
                            "--max-drop with --npu): give both to quantize on your images first, or neither")
     check_budget(validation, max_drop, model=model, inputs=inputs, decoder=decoder)
 
@@ -254,9 +265,11 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
             flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                          pad_value=pad_value, pixel_range=pixel_range)
             res, src = quantize_with_calibration(model, q, calibration, calib_count, inputs=inputs, flags=flags,
-                                                 targets=targets, keep_fp32=keep_fp32, console=console)
+                                                 targets=targets, keep_fp32=keep_fp32, lead=not all_int8,
+                                                 console=console)
             console.log(f"quantized on {res['samples']} image(s) from {src.describe()}, {res['activations']} "
                         f"activations {res['activations_why']}")
+            print_lead(res, console)
             opts = dataclasses.replace(opts, name=opts.name or Path(model).stem)
             model = q
         with console.status("compiling") as status:

@@ -45,6 +45,13 @@ def keep_fp32_option(f):
                         help="Leave this node in fp32 (repeatable): the layer report names the nodes that lose most.")(f)
 
 
+def lead_option(f):
+    return click.option("--all-int8", "all_int8", is_flag=True,
+                        help="Quantize the first layers too where this target's int8 kernels are slower than fp32 "
+                             "for them (by default a small stem and the depthwise convs right after it stay fp32 "
+                             "on x86_64: docs/int8.md, 'The fp32 lead').")(f)
+
+
 def budget_options(f):
     f = click.option("--max-drop", type=click.FloatRange(0, 1), default=None, metavar="FRACTION",
                      help="Refuse (exit 2, nothing written) when agreement with the fp32 model on --validation drops "
@@ -134,6 +141,7 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
 @click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224",
               help="Pin an input's shape (repeatable), as tandoor compile --input.")
 @keep_fp32_option
+@lead_option
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the per-layer report (every layer's SQNR against fp32) to this JSON file.")
 @click.option("--report-images", "report_samples", type=click.IntRange(1), default=4, show_default=True,
@@ -142,7 +150,8 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
 @preprocess_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @click.option("--debug", is_flag=True, hidden=True)
-def quantize(model, out, calibration, count, method, per_channel, targets, activations, inputs, keep_fp32, report_path,
+def quantize(model, out, calibration, count, method, per_channel, targets, activations, inputs, keep_fp32, all_int8,
+             report_path,
              report_samples, validation, max_drop, mean, std, layout, bgr, resize, letterbox_align, pad_value,
              pixel_range, quiet, debug):
     """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
@@ -159,7 +168,7 @@ def quantize(model, out, calibration, count, method, per_channel, targets, activ
     try:
         res, src = quantize_with_calibration(model, staged, calibration, count, method=method, per_channel=per_channel,
                                              activations=activations, targets=targets, inputs=inputs,
-                                             keep_fp32=keep_fp32, flags=flags,
+                                             keep_fp32=keep_fp32, lead=not all_int8, flags=flags,
                                              report_samples=report_samples, console=console)
         if max_drop is not None:
             from tandoor_compiler import frontend
@@ -185,6 +194,7 @@ def quantize(model, out, calibration, count, method, per_channel, targets, activ
                   f"{src.describe()} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
                   f"{res['activations']} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
     console.print(f"activations {res['activations']}: {res['activations_why']}")
+    print_lead(res, console)
     # `is`, not `in`: --pad-value 0 equals False and would be dropped
     given = {k: v for k, v in flags.items() if v is not None and v is not False and v != DEFAULTS.get(k)}
     if report_path is not None:
@@ -193,6 +203,13 @@ def quantize(model, out, calibration, count, method, per_channel, targets, activ
                   + "".join(f" --target {t}" for t in targets if t != "host")
                   + "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items()))
     sys.stdout.flush()
+
+
+def print_lead(res: dict, console) -> None:
+    if res.get("fp32_lead"):
+        convs = ", ".join(f"{n} ({r})" for n, r in res["fp32_lead"].items() if r != "on the way")
+        console.print(f"kept in fp32, the fp32 lead: {convs}, as int8 is slower for them on {res['fp32_lead_why']} "
+                      "(--all-int8 quantizes them too)")
 
 
 def print_report(report: dict, console, *, worst: int = 5) -> None:
@@ -227,7 +244,7 @@ def print_report(report: dict, console, *, worst: int = 5) -> None:
 
 def quantize_with_calibration(model, out, calibration, count, *, method: str = "minmax", per_channel: bool = True,
                               activations: str | None = None, targets=(), inputs=(), keep_fp32=(),
-                              report_samples: int = 4,
+                              lead: bool = True, report_samples: int = 4,
                               flags: dict, console):
     """MODEL -> the QDQ model OUT, calibrated on COUNT images of CALIBRATION preprocessed by
     ``flags`` (compile's preprocessing options), with a progress bar on ``console``: what
@@ -264,7 +281,7 @@ def quantize_with_calibration(model, out, calibration, count, *, method: str = "
         task = bar.add_task("calibrating", total=n)
         res = quantize_model(model, out, calibration=samples, count=n, inputs=inputs, method=method,
                              per_channel=per_channel, activations=activations, targets=targets, keep_fp32=keep_fp32,
-                             report_samples=report_samples,
+                             lead=lead, report_samples=report_samples,
                              metadata=chosen,
                              progress=lambda done, total: bar.update(task, completed=done),
                              say=lambda m: console.log(m))

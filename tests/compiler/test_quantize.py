@@ -100,7 +100,7 @@ def _run(path, x):
 
 def test_quantize_writes_a_qdq_model_close_to_fp32_calibrated_on_the_bundles_preprocessing(tmp_path, tiny, frames):
     out = tmp_path / "tiny.int8.onnx"
-    res = quantize(tiny, out, frames["calib"], "--images", "40")
+    res = quantize(tiny, out, frames["calib"], "--images", "40", "--all-int8")
     assert res.returncode == 0, res.stderr
     q = onnx.load(str(out))
     ops = [n.op_type for n in q.graph.node]
@@ -297,7 +297,7 @@ def test_an_opset_12_model_is_upgraded_so_its_per_channel_qdq_model_is_valid(tmp
     src = tmp_path / "op12.onnx"
     onnx.save(m, str(src))
     out = tmp_path / "op12.int8.onnx"
-    res = quantize(src, out, frames["calib"], "--images", "20")
+    res = quantize(src, out, frames["calib"], "--images", "20", "--all-int8")
     assert res.returncode == 0, res.stderr
     q = onnx.load(str(out))
     onnx.checker.check_model(q, full_check=True)
@@ -321,11 +321,14 @@ def test_compile_int8_quantizes_on_the_images_then_compiles_in_one_step(tmp_path
     by = man["quantized"]["by"]
     assert by["source"] == "tiny.onnx" and by["samples"] == 12 and by["calibration"].startswith(str(frames["calib"]))
     assert man["model"]["name"] == "tiny" and "wrote" in res.stderr and "NOT self-checked" not in res.stderr
+    if platform.machine() == "x86_64":     # compile --int8 quantizes as quantize does: the fp32 lead, said
+        assert sorted(r for r in by["fp32_lead"].values() if r != "on the way") == ["depthwise", "small stem"]
+        assert "the fp32 lead" in res.stderr
     # the same as the two steps by hand
     q = tmp_path / "tiny.int8.onnx"
     assert quantize(tiny, q, frames["calib"], "--images", "12").returncode == 0
     assert man["preprocess"] == json.loads(onnx.load(str(q)).metadata_props[0].value)["preprocess"]
-    for args in (["--int8"], ["--calibration", str(frames["calib"])], ["--images", "3"]):
+    for args in (["--int8"], ["--calibration", str(frames["calib"])], ["--images", "3"], ["--all-int8"]):
         bad = tmp_path / "bad.hmod"
         res = run_cli("tandoor", "compile", str(tiny), "-o", str(bad), *args)
         assert res.returncode == 2 and not bad.exists(), res.stderr
@@ -511,7 +514,7 @@ def test_a_batchnorm_written_out_as_sub_mul_add_is_folded_into_its_conv_before_q
     src = tmp_path / "bn.onnx"
     onnx.save(conv_bn_written_out(), str(src))
     out = tmp_path / "bn.int8.onnx"
-    res = quantize(src, out, frames["calib"], "--images", "12")
+    res = quantize(src, out, frames["calib"], "--images", "12", "--all-int8")
     assert res.returncode == 0, res.stderr
     q = onnx.load(str(out))
     float_ops = [n.op_type for n in q.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear")]
@@ -522,3 +525,81 @@ def test_a_batchnorm_written_out_as_sub_mul_add_is_folded_into_its_conv_before_q
     ref, got = _run(src, x), _run(out, x)
     sqnr = 10 * np.log10((ref ** 2).sum() / ((ref - got) ** 2).sum())
     assert sqnr > 25, sqnr
+
+
+def lead_model(stem: tuple[int, int], *, before: str | None = "Mul", hardswish: bool = False) -> onnx.ModelProto:
+    """[normalisation Mul] -> conv 3->16 (kernel ``stem``, stride 2) -> Clip (or HardSwish written
+    as x * HardSigmoid(x), as PP-LCNet's) -> depthwise 3x3 -> Relu -> pointwise 16->32 -> depthwise
+    3x3 -> Relu -> pointwise 32->8: MobileNet's start."""
+    rng = np.random.default_rng(3)      # the same model whichever tests ran before
+    w = lambda *s: (rng.standard_normal(s) * (2.0 / np.prod(s[1:])) ** 0.5).astype(np.float32)  # noqa: E731
+    k = stem[0]
+    inits = {"w0": w(16, 3, *stem), "b0": np.zeros(16, np.float32), "lo": np.array(0, np.float32),
+             "hi": np.array(6, np.float32), "wd": w(16, 1, 3, 3), "wp": w(32, 16, 1, 1), "wd2": w(32, 1, 3, 3),
+             "wp2": w(8, 32, 1, 1), "norm": np.array(1 / 255, np.float32)}
+    N = helper.make_node
+    nodes = [N("Mul", ["x", "norm"], ["xn"], name="norm")] if before else []
+    nodes += [N("Conv", ["xn" if before else "x", "w0", "b0"], ["c0"], pads=[k // 2] * 4, strides=[2, 2], name="stem"),
+              *([N("HardSigmoid", ["c0"], ["hs0"], name="stem_hsig"), N("Mul", ["c0", "hs0"], ["r0"], name="stem_hsw")]
+                if hardswish else [N("Clip", ["c0", "lo", "hi"], ["r0"], name="stem_clip")]),
+              N("Conv", ["r0", "wd"], ["c1"], pads=[1, 1, 1, 1], group=16, name="dw1"),
+              N("Relu", ["c1"], ["r1"], name="dw1_relu"), N("Conv", ["r1", "wp"], ["c2"], name="pw1"),
+              N("Conv", ["c2", "wd2"], ["c3"], pads=[1, 1, 1, 1], group=32, name="dw2"),
+              N("Relu", ["c3"], ["r3"], name="dw2_relu"), N("Conv", ["r3", "wp2"], ["y"], name="pw2")]
+    g = helper.make_graph(nodes, "lead", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 64, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 32, 32])],
+                          [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_the_fp32_lead_is_the_small_stem_and_the_depthwise_right_after_it_on_x86_only():
+    """FP32_LEAD_BY_ARCH's rules, walked from the input: a 3x3 or 5x5 stem and the stride-1
+    depthwise conv that reads its (float) output stay fp32 on x86_64, with the ops on the way to them (the
+    normalisation, the stem's Clip); the ReLU after the last one, the pointwise conv and the second
+    depthwise (which reads a quantized tensor) do not. A 7x7 stem (ResNet's, which int8 makes
+    faster) keeps nothing; aarch64 (ACL) has no lead."""
+    from tandoor_compiler.quantize import fp32_lead
+
+    assert fp32_lead(lead_model((3, 3)), "x86_64") == [("norm", None), ("stem", "small stem"),
+                                                        ("stem_clip", None), ("dw1", "depthwise")]
+    assert fp32_lead(lead_model((5, 5), before=None), "x86_64") == [("stem", "small stem"), ("stem_clip", None),
+                                                                    ("dw1", "depthwise")]
+    assert fp32_lead(lead_model((3, 3), hardswish=True), "x86_64") == [
+        ("norm", None), ("stem", "small stem"), ("stem_hsig", None), ("stem_hsw", None), ("dw1", "depthwise")]
+    assert fp32_lead(lead_model((7, 7)), "x86_64") == []
+    strided = lead_model((3, 3))
+    next(n for n in strided.graph.node if n.name == "dw1").attribute.append(helper.make_attribute("strides", [2, 2]))
+    assert fp32_lead(strided, "x86_64") == [("norm", None), ("stem", "small stem")]   # int8 pays for a strided one
+    assert fp32_lead(lead_model((3, 3)), "aarch64") == []
+
+
+def test_quantize_keeps_the_fp32_lead_for_this_host_says_so_and_all_int8_or_a_board_quantizes_it(tmp_path, frames):
+    """Default (host alone, x86_64): the stem and its depthwise keep fp32 weights (no
+    DequantizeLinear), the first QuantizeLinear is the depthwise's output, the settings and the
+    output say which and why; the model still matches fp32 as closely as the all-int8 one. With
+    --all-int8, or for an aarch64 board, every conv is quantized."""
+    src = tmp_path / "lead.onnx"
+    onnx.save(lead_model((3, 3)), str(src))
+    out, every, board = tmp_path / "lead.int8.onnx", tmp_path / "all.int8.onnx", tmp_path / "board.int8.onnx"
+    res = run_cli("tandoor", "quantize", str(src), "--calibration", str(frames["calib"]), "-o", str(out),
+                  "--images", "12", "--mean", "0", "--std", "1")
+    assert res.returncode == 0, res.stderr
+    said = " ".join(res.stderr.split())
+    assert "kept in fp32, the fp32 lead: stem (small stem), dw1 (depthwise), as int8 is slower for them on x86_64" \
+        in said and "--all-int8 quantizes them too" in said, said
+    q = onnx.load(str(out))
+    settings = json.loads(q.metadata_props[0].value)
+    assert settings["fp32_lead"] == {"norm": "on the way", "stem": "small stem", "stem_clip": "on the way",
+                                     "dw1": "depthwise"}
+    assert sorted(weight_scales(q)) == ["wd2_quantized", "wp2_quantized", "wp_quantized"]
+    first_q = next(n for n in q.graph.node if n.op_type == "QuantizeLinear")
+    assert first_q.input[0] == "r1", first_q.input     # the depthwise's ReLU output: where int8 starts
+    for args, path in (("--all-int8",), every), (("--target", "rk3588"), board):
+        r = run_cli("tandoor", "quantize", str(src), "--calibration", str(frames["calib"]), "-o", str(path), "-q",
+                    "--images", "12", "--mean", "0", "--std", "1", *args)
+        assert r.returncode == 0, r.stderr
+        m = onnx.load(str(path))
+        assert len(weight_scales(m)) == 5 and "fp32_lead" not in json.loads(m.metadata_props[0].value)
+    x = np.random.default_rng(4).uniform(0, 255, (4, 1, 3, 64, 64)).astype(np.float32)
+    err = {p.name: max(np.abs(_run(p, xi) - _run(src, xi)).max() for xi in x) for p in (out, every)}
+    assert err["lead.int8.onnx"] <= err["all.int8.onnx"] * 1.05, err

@@ -232,6 +232,9 @@ def test_bench_int8_times_every_route_and_says_the_sizes_and_the_agreement(lite0
     said = " ".join(capsys.readouterr().out.split())
     assert f"INT8 activations {act['type']}" in said and act["why"][:40] in said and "top-1 not judged" in said
     assert "on this host" not in said
+    if platform.machine() == "x86_64":     # Lite0's stem and first depthwise, as quantize kept them
+        lead = [n for n, r in act["fp32_lead"].items() if r != "on the way"]
+        assert len(lead) == 2 and f"kept in fp32 at the start (the fp32 lead): {', '.join(lead)}" in said
     other = "int8" if act["host_wants"] == "uint8" else "uint8"       # e.g. a board's model on an x86 host
     print_int8({**rep, "activations": {**act, "type": other, "why": "given (--activations)"}})
     said = " ".join(capsys.readouterr().out.split())
