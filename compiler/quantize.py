@@ -66,15 +66,16 @@ class ConvShape:
 # nothing is added: the first quantize moves to where int8 starts to pay. Per architecture whose
 # kernels decide (the targets' boards, else this host, as for the activation type): (name, applies
 # to the conv, why). Measured with onnxruntime 1.32, 2 threads, by scripts/bench-int8-lead.py
-# (docs/int8.md, "The fp32 lead"); the boards' ACL kernels were not found slower, so aarch64 has none.
+# (docs/int8.md, "The fp32 lead"). aarch64 (the boards, ACL) has none: not measured there, where an
+# fp32 lead would also split the first int8 order and its Arm NN network.
 FP32_LEAD_BY_ARCH: dict[str, tuple[tuple[str, Callable[[ConvShape], bool], str], ...]] = {
     "x86_64": (
         ("small stem", lambda c: c.group == 1 and c.cin <= 4 and c.taps * c.cin <= 75,
          "a first conv of at most 4 input channels and 75 taps (3x3, 5x5): onnxruntime's int8 conv with its input's "
          "quantize takes 1.3-1.8x the fp32 conv with its output's (a 7x7 stem, ResNet's, is left to int8)"),
         ("depthwise", lambda c: c.depthwise and c.stride == 1,
-         "a stride-1 depthwise conv after it: onnxruntime's u8s8 depthwise kernel takes 1.04-1.6x (16-64 channels "
-         "at 112x112)"),
+         "a stride-1 depthwise conv after it: onnxruntime's u8s8 depthwise kernel takes 1.18x its fp32 time over "
+         "EfficientNet-Lite0's 16, and keeping its first in fp32 beside the stem saved another 0.4-2.2% of fp32's run"),
     ),
 }
 # Ops a float tensor passes through on its way to a lead conv (layout, padding, activations, and
