@@ -245,8 +245,9 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
         calibration = calib_count = None
     if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32 or all_int8) and not int8) \
             or (max_drop is not None and not (int8 or npu)):
-        raise CompileError("--int8 and --calibration go together (--images, --keep-fp32, --all-int8 and --max-drop with them, or "
-                           "--max-drop with --npu): give both to quantize on your images first, or neither")
+        raise CompileError("--int8 and --calibration go together (--images, --keep-fp32, --all-int8 and --max-drop "
+                           "with them, or --max-drop with --npu): give both to quantize on your images first, or "
+                           "neither")
     check_budget(validation, max_drop, model=model, inputs=inputs, decoder=decoder)
 
     opts = Options(list(inputs), list(targets), key, labels, _floats(mean, "--mean"), _floats(std, "--std"),

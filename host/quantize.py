@@ -48,8 +48,8 @@ def keep_fp32_option(f):
 def lead_option(f):
     return click.option("--all-int8", "all_int8", is_flag=True,
                         help="Quantize the first layers too where this target's int8 kernels are slower than fp32 "
-                             "for them (by default a small stem and the depthwise convs right after it stay fp32 "
-                             "on x86_64: docs/int8.md, 'The fp32 lead').")(f)
+                             "for them (by default a small stem and the stride-1 depthwise conv right after it stay "
+                             "fp32 on x86_64: docs/int8.md, 'The fp32 lead').")(f)
 
 
 def budget_options(f):
@@ -151,9 +151,8 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @click.option("--debug", is_flag=True, hidden=True)
 def quantize(model, out, calibration, count, method, per_channel, targets, activations, inputs, keep_fp32, all_int8,
-             report_path,
-             report_samples, validation, max_drop, mean, std, layout, bgr, resize, letterbox_align, pad_value,
-             pixel_range, quiet, debug):
+             report_path, report_samples, validation, max_drop, mean, std, layout, bgr, resize, letterbox_align,
+             pad_value, pixel_range, quiet, debug):
     """Quantize MODEL.onnx to INT8 (QDQ) with calibration on real images; compile the result
     with the same --mean/--std/--resize flags."""
     from rich.console import Console
