@@ -48,11 +48,15 @@ def configure_tvm_threads() -> dict:
 _busy_seen: float | None = None     # what the spin decision saw, for benches to report
 
 
-# Idle TVM workers spin between kernels (TVM's own default, 300000 turns) when the cores are this
-# process's, and sleep when other work already keeps them busy. Measured on 2 cores: quiet
-# (load 0.7-1.0), spinning took PP-LCNet's TVM-only run 4.76 -> 2.73 ms and YOLOv8n's 17.2 -> 13.8 ms;
-# at load 6 from other jobs, spinning workers stalled each other (PP-LCNet 8.5 ms vs 2.8 asleep).
-SPINNING, SLEEPING = "300000", "0"
+# Idle TVM workers spin between kernels when the cores are this process's, and sleep when other
+# work already keeps them busy. Measured on 2 cores: quiet (load 0.7-1.0), spinning took PP-LCNet's
+# TVM-only run 4.76 -> 2.73 ms and YOLOv8n's 17.2 -> 13.8 ms; at load 6 from other jobs, spinning
+# workers stalled each other (PP-LCNet 8.5 ms vs 2.8 asleep). 50000 turns, not TVM's own 300000:
+# a worker still spinning (yielding) when a delegated order starts takes a core from the order's
+# runtime. open_nsfw's INT8 hybrid (2 onnxruntime orders) ran 11.9 ms at 300000 and 4.5-4.6 at
+# 30000-50000 (asleep 6.2); Lite0's hybrid lost 4%, PP-LCNet, MobileNetV2 and ResNet-18 nothing
+# (docs/benchmarks.md, "How long idle workers spin").
+SPINNING, SLEEPING = "50000", "0"
 BUSY_PER_THREAD = 0.5       # cores other work keeps busy, per TVM thread, from which the cores count as shared
 # How long the decision watches the cores. Not the 1-minute load average: that still counts a
 # process that just ended, so an agent restarted after itself (an update's swap, systemd's restart)

@@ -489,7 +489,7 @@ def test_onnxruntime_writes_into_the_callers_buffer(base):
 
 
 
-@pytest.mark.parametrize("tvm_spin, spins", [("300000", True), ("0", False)])
+@pytest.mark.parametrize("tvm_spin, spins", [("50000", True), ("0", False)])
 def test_onnxruntime_workers_spin_within_a_run_only_when_tvms_do(base, monkeypatch, tvm_spin, spins):
     """The executor's session takes TVM's spin decision (agent/run/board.py): spinning workers that
     stop when a run returns on cores of its own, sleeping workers on shared ones; onnxruntime's
