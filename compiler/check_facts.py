@@ -302,6 +302,14 @@ def rounding_noise(model: onnx.ModelProto, seed: int = 1) -> onnx.ModelProto:
 FLIP_RATE = 0.05
 
 
+def constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """{tensor name: its value} for a model's constants: initializers and Constant nodes' values."""
+    out = {i.name: i for i in model.graph.initializer}
+    out.update({n.output[0]: n.attribute[0].t for n in model.graph.node
+                if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    return out
+
+
 def requant_flips(model: onnx.ModelProto, rate: float = FLIP_RATE, seed: int = 1) -> onnx.ModelProto:
     """A copy of a QDQ ``model`` in which each QuantizeLinear's input moves by one of its steps,
     up or down, on a ``rate`` fraction of its elements (onnxruntime's RandomUniformLike, fixed
@@ -310,9 +318,7 @@ def requant_flips(model: onnx.ModelProto, rate: float = FLIP_RATE, seed: int = 1
     constant's QuantizeLinear (a weight) and per-axis ones stay as they are."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    consts = {i.name: i for i in out.graph.initializer}
-    consts.update({n.output[0]: n.attribute[0].t for n in out.graph.node
-                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    consts = constants(out)
     nodes = []
     for n in out.graph.node:
         scale = consts.get(n.input[1]) if n.op_type == "QuantizeLinear" and len(n.input) > 1 else None

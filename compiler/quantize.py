@@ -31,6 +31,7 @@ from onnx import numpy_helper
 from tandoor_contract import agreement, durable, probe
 
 from . import frontend, normalise
+from .check_facts import constants
 from .errors import CompileError
 
 METHODS = ("minmax", "entropy", "percentile")
@@ -165,10 +166,7 @@ def fp32_lead(model: onnx.ModelProto, arch: str) -> list[tuple[str, str | None]]
     one)], in graph order. Empty when no rule applies, which leaves the model as it was."""
     rules = FP32_LEAD_BY_ARCH.get(arch, ())
     g = model.graph
-    consts = {i.name: i for i in g.initializer}
-    for n in g.node:
-        if n.op_type == "Constant":
-            consts.update({o: None for o in n.output})
+    consts = constants(model)
     floats = {i.name for i in g.input if i.name not in consts}
     taken: list[tuple[onnx.NodeProto, str | None]] = []
     for n in g.node if rules else ():
@@ -177,7 +175,7 @@ def fp32_lead(model: onnx.ModelProto, arch: str) -> list[tuple[str, str | None]]
             continue
         rule = None
         if n.op_type == "Conv":
-            shape = _conv_shape(n, consts[n.input[1]]) if consts.get(n.input[1]) is not None else None
+            shape = _conv_shape(n, consts[n.input[1]]) if n.input[1] in consts else None
             rule = next((name for name, applies, _ in rules if shape is not None and applies(shape)), None)
             if rule is None:
                 continue
@@ -542,13 +540,11 @@ def output_steps(model: onnx.ModelProto) -> dict[str, float] | None:
     Softmax) takes the largest step of the model's output-side dequantizes feeding it."""
     if not quantized_nodes(model):
         return None
-    inits = {i.name: i for i in model.graph.initializer}
-    consts = {n.output[0]: n.attribute[0].t for n in model.graph.node
-              if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    consts = constants(model)
     producer = {o: n for n in model.graph.node for o in n.output}
 
     def scale_of(name: str) -> float | None:
-        t = inits.get(name) or consts.get(name)
+        t = consts.get(name)
         return None if t is None else float(np.max(np.abs(numpy_helper.to_array(t))))
 
     def step(name: str, seen: set) -> float | None:
