@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ import uuid
 from pathlib import Path
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -243,3 +245,82 @@ class Message:
 
     def __repr__(self) -> str:
         return f"<{self.topic} retain={self.retain} {self.payload[:80]!r}>"
+
+
+# --- the shipped, secured broker config (mosquitto/tandoor.conf + acl) --------------------------------------------------------------------
+
+def secured_broker(d: Path, users: dict[str, str], tls: dict[str, Path] | None = None) -> Broker:
+    """mosquitto/tandoor.conf with its global part as shipped (auth, ACL file, limits), the file
+    paths pointed at temp files, and on a free port either a plain listener or (``tls``: the
+    make_tls_files certificates) the shipped TLS listener with its certificate paths replaced."""
+    passwd = d / "tandoor.passwd"
+    for i, (u, p) in enumerate(users.items()):
+        tool = shutil.which("mosquitto_passwd") or str(Path(MOSQUITTO).with_name("mosquitto_passwd"))
+        subprocess.run([tool, *(["-c"] if i == 0 else []), "-b", str(passwd), u, p], check=True)
+    conf = (ROOT / "mosquitto" / "tandoor.conf").read_text()
+    glob, listeners = conf.split("# ---- listeners")
+    assert re.search(r"^allow_anonymous false$", glob, re.M) and re.search(r"^acl_file ", glob, re.M)
+    glob = re.sub(r"^password_file .*$", f"password_file {passwd}", glob, flags=re.M)
+    glob = re.sub(r"^acl_file .*$", f"acl_file {ROOT / 'mosquitto' / 'acl'}", glob, flags=re.M)
+    glob = re.sub(r"^persistence true$", "persistence false", glob, flags=re.M)
+    glob = re.sub(r"^(persistence_location|autosave_interval|log_dest) .*$", "", glob, flags=re.M)
+    b = Broker(d / "broker")
+    listener = f"listener {b.port} 127.0.0.1\n"
+    if tls is not None:
+        m = re.search(r"^listener 8883\n(.*?)\n\n", listeners, re.M | re.S)
+        assert m and "certfile" in m.group(1), "the shipped TLS listener"
+        listener += re.sub(r"^(cafile|certfile|keyfile) .*$",
+                           lambda k: f"{k.group(1)} {tls[{'cafile': 'ca', 'certfile': 'cert', 'keyfile': 'key'}[k.group(1)]]}",
+                           m.group(1), flags=re.M) + "\n"
+    # started as root, mosquitto would drop to user mosquitto, who cannot read pytest's temp dir
+    b.conf.write_text(glob + f"\nuser root\nlog_dest stderr\n" + listener)
+    return b.start()
+
+
+class Client:
+    def __init__(self, port: int, user: str | None, pw: str | None) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.msgs: list = []
+        self.sub_rc: list = []
+        self.pub_rc: dict[int, int] = {}
+        self.conn_rc = None
+        self.ev = threading.Event()
+        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"t-{user}-{time.monotonic_ns()}",
+                             protocol=mqtt.MQTTv5)
+        if user:
+            self.c.username_pw_set(user, pw)
+        self.c.on_connect = lambda c, u, f, rc, p: (setattr(self, "conn_rc", rc), self.ev.set())
+        self.c.on_message = lambda c, u, m: self.msgs.append((m.topic, bytes(m.payload)))
+        self.c.on_subscribe = lambda c, u, mid, rcs, p: self.sub_rc.append([r.value for r in rcs])
+        self.c.on_publish = lambda c, u, mid, rc, p: self.pub_rc.__setitem__(mid, rc.value)
+        self.c.connect("127.0.0.1", port)
+        self.c.loop_start()
+        self.ev.wait(10)
+
+    def sub(self, topic: str) -> int:
+        n = len(self.sub_rc)
+        self.c.subscribe(topic, qos=1)
+        deadline = time.monotonic() + 10
+        while len(self.sub_rc) == n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.sub_rc[-1][0]
+
+    def pub(self, topic: str, payload: bytes = b"{}", retain: bool = False) -> int:
+        info = self.c.publish(topic, payload, qos=1, retain=retain)
+        deadline = time.monotonic() + 10
+        while info.mid not in self.pub_rc and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.pub_rc.get(info.mid)
+
+    def expect(self, messages: list[tuple[str, bytes]], timeout: float = 10) -> None:
+        """Until every (topic, payload) in messages was delivered to this client, with a deadline."""
+        deadline = time.monotonic() + timeout
+        while not all(m in self.msgs for m in messages):
+            assert time.monotonic() < deadline, ([m for m in messages if m not in self.msgs], self.msgs)
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
