@@ -11,7 +11,10 @@ VENV="$ROOT/.venv"
 PY="${TANDOOR_PYTHON:-python3}"
 say() { printf '[setup] %s\n' "$*" >&2; }
 
-APT_PKGS=(g++-aarch64-linux-gnu mosquitto mosquitto-clients python3-pyarmnn libarmnn-cpuref-backend22)
+# chromium + chromium-driver: the fleet console's browser test (a browser download at install
+# fails offline); postgresql: the console's PostgreSQL store, started by its tests in a temp dir.
+APT_PKGS=(g++-aarch64-linux-gnu mosquitto mosquitto-clients python3-pyarmnn libarmnn-cpuref-backend22
+          chromium chromium-driver postgresql)
 
 need_apt=()
 if [[ "${TANDOOR_SKIP_APT:-0}" != 1 ]]; then
@@ -26,6 +29,7 @@ if ((${#need_apt[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   # The mosquitto package starts a system broker on 1883; Tandoor starts its own brokers.
   $SUDO systemctl disable --now mosquitto >/dev/null 2>&1 || true
+  $SUDO systemctl disable --now postgresql >/dev/null 2>&1 || true   # the console's tests start their own
 fi
 
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -80,4 +84,19 @@ if [[ "$(uname -m)" == x86_64 && "${TANDOOR_SKIP_RKNN:-0}" != 1 ]]; then
       || { say "the RKNN toolkit does not import in .venv-rknn; see docs/npu.md"; exit 1; }
     echo "$RKNN_WANT" > "$RKNN_STAMP"
   fi
+fi
+
+# The fleet console's chart library (uPlot), vendored from npm into the package's static dir:
+# the console's pages need no internet and no CDN (fleet/console/static/vendor/, not in git).
+UPLOT_VERSION=1.6.32
+VENDOR="$ROOT/fleet/console/static/vendor"
+if [[ "$(cat "$VENDOR/.uplot-version" 2>/dev/null)" != "$UPLOT_VERSION" ]]; then
+  command -v npm >/dev/null || { say "npm is needed to vendor uPlot for the fleet console (apt install npm)"; exit 1; }
+  say "vendoring uPlot $UPLOT_VERSION from npm into fleet/console/static/vendor"
+  tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack -q "uplot@$UPLOT_VERSION" >/dev/null && tar xzf "uplot-$UPLOT_VERSION.tgz")
+  mkdir -p "$VENDOR"
+  cp "$tmp/package/dist/uPlot.iife.min.js" "$tmp/package/dist/uPlot.min.css" "$tmp/package/LICENSE" "$VENDOR/"
+  echo "$UPLOT_VERSION" > "$VENDOR/.uplot-version"
+  rm -rf "$tmp"
 fi
