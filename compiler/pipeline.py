@@ -654,6 +654,10 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
             entry = {"arch": t.arch, "lib": member, "llvm": t.llvm, "fallback": {}}
             if lib_params:
                 entry["lib_params"] = lib_params    # the same member for every target
+            if t.gpu:   # the same TVM side for the target's NVIDIA GPU, one library per SM
+                from .backends import cuda
+
+                entry["gpu"] = cuda.bundle_part(lowered, t, provided, tmpd, members, member.endswith(hmod.PACKED), say)
             if merged is not None:
                 # one library for every subgraph, a function each (hmod.fallback_function)
                 say(f"compiling the TVM fallbacks of {len(fallbacks)} subgraph(s) for {t.name}")

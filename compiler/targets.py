@@ -17,6 +17,7 @@ class TargetPreset:
     llvm: dict
     cross_cc: str | None
     about: str
+    gpu: tuple[str, ...] = ()   # NVIDIA SMs the TVM side is also built for (compiler/backends/cuda)
 
 
 _A64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu"}
@@ -27,9 +28,12 @@ PRESETS: dict[str, TargetPreset] = {
     "rk3588": TargetPreset("rk3588", "aarch64", {**_A64, "mcpu": "cortex-a76", "mattr": ["+neon"]}, AARCH64_CC,
                            "Rockchip RK3588 (4x Cortex-A76 + 4x A55, Mali-G610)"),
     "jetson-orin": TargetPreset("jetson-orin", "aarch64", {**_A64, "mcpu": "cortex-a78ae", "mattr": ["+neon"]}, AARCH64_CC,
-                                "NVIDIA Jetson Orin (Cortex-A78AE)"),
+                                "NVIDIA Jetson Orin (Cortex-A78AE; its GPU: sm_87 cubins)", gpu=("sm_87",)),
     "rpi5": TargetPreset("rpi5", "aarch64", {**_A64, "mcpu": "cortex-a76", "mattr": ["+neon"]}, AARCH64_CC,
                          "Raspberry Pi 5 (Cortex-A76)"),
+    # a data-centre GPU to check the GPU part on (H100: sm_90); generic x86-64 for its CPU lib
+    "cuda-sm90": TargetPreset("cuda-sm90", "x86_64", {"kind": "llvm", "mtriple": "x86_64-linux-gnu"}, "g++",
+                              "an x86_64 machine with an NVIDIA sm_90 GPU (H100), for GPU checks", gpu=("sm_90",)),
 }
 
 

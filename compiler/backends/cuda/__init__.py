@@ -1,0 +1,18 @@
+"""The TVM side for NVIDIA GPUs (a Jetson's, or a data-centre GPU for checks): cubins per SM.
+
+What runs where: the whole TVM side (everything the partitioner left to TVM) runs on the GPU; a
+delegated order (Arm NN, onnxruntime, the NPU) stays on the CPU, and its inputs and outputs cross
+between GPU and host memory at each call: that copy is the boundary's cost. The bundle keeps its CPU
+library beside the GPU ones, as the fallback an agent runs when the GPU cannot be used.
+
+    build.py   the relax module -> one library per SM: TVM's CUDA pipeline (dlight's default GPU
+               rules; MetaSchedule records where a tuning database is given), its kernels compiled
+               by NVRTC (PyPI's nvidia-cuda-nvrtc) to cubins on this GPU-less workstation, and the
+               library's packed imports rewritten to carry them (contract/gpu.py reads them back)
+
+The device side is agent/run/gpu.py; the manifest's ``gpu`` entry is contract/gpu.py.
+"""
+
+from .build import GpuBuild, build_gpu, bundle_part, nvrtc_available
+
+__all__ = ["GpuBuild", "build_gpu", "bundle_part", "nvrtc_available"]
