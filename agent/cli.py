@@ -167,6 +167,8 @@ def run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, dr
             click.echo(f"  {score:6.3f}  {label}")
     if result.get("npu"):
         click.echo(f"npu: {result['npu']}")
+    if result.get("gpu"):
+        click.echo(f"gpu: {result['gpu']}")
     for s in result["subgraphs"]:
         bridge = f", bridge {s['bridge_us']:.0f} us/call" if "bridge_us" in s else ""
         layers = s.get("layers") or {}
@@ -269,6 +271,7 @@ def _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, i
                 times.append((time.perf_counter() - t0) * 1e3)
             subgraphs = module.describe()
             npu = module.npu()
+            gpu = module.gpu()
         finally:
             module.close()
     if save_dir is not None:
@@ -276,6 +279,7 @@ def _run(bundle, input_specs, delegate, backends, keys, repeat, top, save_dir, i
         for j, o in enumerate(outs):
             np.save(save_dir / f"output_{j}.npy", o, allow_pickle=False)
     result = {"model": m["model"], "outputs": [], "subgraphs": subgraphs, **({"npu": npu} if npu else {}),
+              **({"gpu": gpu} if gpu else {}),
               "latency_ms": {"median": float(np.median(times)), "p95": float(np.percentile(times, 95)), "runs": repeat}}
     for spec, o in zip(m["outputs"], outs):
         entry = {"name": spec["name"], "shape": list(o.shape)}

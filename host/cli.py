@@ -452,6 +452,8 @@ def verify(bundle, reference, delegate, n_random, as_json, images, count, max_dr
             for s in r["executors"]:
                 click.echo(f"  {r['delegate']}: {s['symbol']}: {s['executor']} ({s['backend']})"
                            + (f" [npu: unavailable ({s['npu_unavailable']})]" if s.get("npu_unavailable") else ""))
+        for gpu in sorted({r["gpu"] for r in res["runs"] if r.get("gpu")}):
+            click.echo(f"  gpu: {gpu}")
         if res.get("npu"):
             n = res["npu"]
             click.echo(f"  npu: {n['share']:.1%} of the FLOPs in {len(n['orders'])} rknn order(s); at compile the "

@@ -48,9 +48,10 @@ REPLAY_TIMEOUT_S = 3600   # the whole replay of one delegate's cases
 
 
 def _replay(bundle_path: Path, cases: list[list[np.ndarray]], delegate: str, trusted_keys) \
-        -> tuple[list[list[np.ndarray]] | None, list[dict], str | None]:
-    """The cases run by the agent's code in a runtime-only child: (outputs, executors, None) or
-    (None, [], why it could not run)."""
+        -> tuple[list[list[np.ndarray]] | None, list[dict], str | None, str | None]:
+    """The cases run by the agent's code in a runtime-only child: (outputs, executors, None, gpu) or
+    (None, [], why it could not run, None); ``gpu``: what the runtime says of the GPU part
+    ("unavailable (<why>)" where this machine cannot run it), None without one."""
     with tempfile.TemporaryDirectory(prefix="tandoor-verify-") as td:
         ins, out = Path(td) / "in.npz", Path(td) / "out.npz"
         np.savez(ins, **{f"c{c}_{j}": a for c, case in enumerate(cases) for j, a in enumerate(case)})
@@ -62,16 +63,16 @@ def _replay(bundle_path: Path, cases: list[list[np.ndarray]], delegate: str, tru
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=REPLAY_TIMEOUT_S)
         except subprocess.TimeoutExpired:      # a native hang: a verdict on the bundle, not a crash of verify
             return None, [], (f"the bundle did not run with {delegate} executors: no answer within "
-                              f"{REPLAY_TIMEOUT_S} s (a hang in an executor or the TVM lib)")
+                              f"{REPLAY_TIMEOUT_S} s (a hang in an executor or the TVM lib)"), None
         last = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("{")), None)
         said = json.loads(last) if last else {}
         if res.returncode != 0 or "executors" not in said:
             tail = said.get("error") or " ".join((res.stderr or "").strip().splitlines()[-1:])[:300]
-            return None, [], f"the bundle did not run with {delegate} executors: {tail or f'exit {res.returncode}'}"
+            return None, [], f"the bundle did not run with {delegate} executors: {tail or f'exit {res.returncode}'}", None
         with np.load(out, allow_pickle=False) as z:
             from tandoor_agent.run.replay import cases_of
 
-            return cases_of(z), said["executors"], None
+            return cases_of(z), said["executors"], None, said.get("gpu")
 
 
 def _rel(got: list[np.ndarray], want: list[np.ndarray], atol: float) -> float:
@@ -110,9 +111,10 @@ def verify(bundle_path: str | Path, reference: str | Path, delegate: str | None 
         free.append(check_facts.ties(ref.facts, ref.last))
     results, subgraphs, runs = [], None, []
     for d in ([delegate] if delegate else list(agreement.CHECK_DELEGATES)):
-        outs, described, why = _replay(Path(bundle_path), [ins for _, ins in cases], d, trusted_keys)
+        outs, described, why, gpu = _replay(Path(bundle_path), [ins for _, ins in cases], d, trusted_keys)
         path = agreement.path_of(described)
-        runs.append({"delegate": d, "path": path if why is None else None, "executors": described, "error": why})
+        runs.append({"delegate": d, "path": path if why is None else None, "executors": described, "error": why,
+                     **({"gpu": gpu} if gpu else {})})
         subgraphs = described if subgraphs is None else subgraphs
         for k, (kind, _) in enumerate(cases):
             if outs is None:

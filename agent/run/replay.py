@@ -31,7 +31,7 @@ def cases_of(npz) -> list[list[np.ndarray]]:
 
 
 def replay(bundle_path: str, cases: list[list[np.ndarray]], delegate: str, trusted_keys=()) \
-        -> tuple[list[list[np.ndarray]], list[dict]]:
+        -> tuple[list[list[np.ndarray]], list[dict], str | None]:
     from tandoor_contract import hmod
     from .runtime import HybridModule
 
@@ -39,7 +39,7 @@ def replay(bundle_path: str, cases: list[list[np.ndarray]], delegate: str, trust
         module = HybridModule(bundle, delegate=delegate)
         try:
             outs = [[np.array(o, copy=True) for o in module.run(ins)] for ins in cases]
-            return outs, module.describe()
+            return outs, module.describe(), module.gpu()
         finally:
             module.close()
 
@@ -55,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with np.load(args.inputs, allow_pickle=False) as z:
             cases = cases_of(z)
-        outs, described = replay(args.bundle, cases, args.delegate, args.trusted_key)
+        outs, described, gpu = replay(args.bundle, cases, args.delegate, args.trusted_key)
     except Exception as e:    # one line for the caller, whatever the runtime raised
         print(json.dumps({"error": " ".join(str(e).split())[:500] or type(e).__name__}), flush=True)
         return EXIT_FAILED
     np.savez(args.out, **{f"c{c}_{j}": o for c, os_ in enumerate(outs) for j, o in enumerate(os_)})
-    print(json.dumps({"executors": described}, default=str), flush=True)
+    print(json.dumps({"executors": described, **({"gpu": gpu} if gpu else {})}, default=str), flush=True)
     return 0
 
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import hmod, orders, tail as tail_mod
+from tandoor_contract import agreement, gpu as gpu_contract, hmod, orders, tail as tail_mod
 from tandoor_contract.errors import TandoorError
 
-from . import executors
+from . import executors, gpu as gpu_mod
 from .board import ACCELERATED_ARMNN, DEFAULT_ARMNN_BACKENDS, first_line as _first_line
 
 log = logging.getLogger("tandoor.runtime")
@@ -168,6 +168,21 @@ class HybridModule:
         self.workdir = workdir
         self.subgraphs: list[Subgraph] = []
         self.npu_unavailable: str | None = None     # why rknn orders run on their fallback here
+        # the target's GPU part (contract/gpu.py): the library of this device's SM, or why not
+        self.gpu_unavailable: str | None = None
+        self.gpu_found: gpu_mod.Found | None = None
+        # delegated orders run on the CPU: with the VM on the GPU their tensors are copied across
+        self._copy = [False]
+        gpu_entry = gpu_contract.entry_of(self.manifest["targets"][self.target])
+        if gpu_entry is not None:
+            found = gpu_mod.probe(gpu_entry)
+            if found.sm is None:
+                self._gpu_off(found.why)
+            else:
+                self.gpu_found, self._copy[0] = found, True
+        elif others := [f"{n} ({v.get('arch')})" for n, v in sorted(self.manifest["targets"].items())
+                        if gpu_contract.entry_of(v)]:
+            self._gpu_off(f"the bundle's GPU part is for {', '.join(others)}, not this {hmod.machine_arch()} machine")
         self._executors = {}
         preference = _auto_preference(armnn_backends) if delegate == "auto" else \
             [delegate] + [e for e in EXECUTORS if e != delegate]
@@ -212,26 +227,70 @@ class HybridModule:
                         log.info("%s runs on %s (%s)", symbol, kind, sg.backend)
                     self.subgraphs.append(sg)
                     self._executors[symbol] = ex
-                    tvm_ffi.register_global_func(symbol, self._make_delegate(ex, sg, len(order["inputs"])),
+                    tvm_ffi.register_global_func(symbol, self._make_delegate(ex, sg, len(order["inputs"]), self._copy),
                                                  override=True)
                     break
                 else:
                     raise RuntimeError_(f"no executor can run {symbol}: " + "; ".join(reasons))
             self._tail_session = self._tail(bundle)
-            lib_path = workdir / f"{self.target}.so"
-            lib_path.write_bytes(bundle.library(self.manifest["targets"][self.target]["lib"]))
-            self.dev = tvm.cpu()
-            try:
-                self.vm = VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
-            except Exception as err:
-                raise RuntimeError_(f"cannot load the {self.target} lib: {_first_line(err)}") from None
-            self._params = self._lib_params(bundle)
+            self._tvm = tvm
+            if self.gpu_found is not None:
+                self._load_gpu(bundle, gpu_entry, VirtualMachine)
+            if self.gpu_found is None:
+                lib_path = workdir / f"{self.target}.so"
+                lib_path.write_bytes(bundle.library(self.manifest["targets"][self.target]["lib"]))
+                self.dev = tvm.cpu()
+                try:
+                    self.vm = VirtualMachine(tvm.runtime.load_module(str(lib_path)), self.dev)
+                except Exception as err:
+                    raise RuntimeError_(f"cannot load the {self.target} lib: {_first_line(err)}") from None
+                self._params = self._lib_params(bundle)
         except BaseException:
             self.close()
             raise
-        self._tvm = tvm
         self._args = None
         self.inputs = self.manifest["inputs"]
+
+    def _gpu_off(self, why: str) -> None:
+        """The CPU library runs; said once in the log, and by gpu() in status, run --json and verify."""
+        self.gpu_unavailable, self.gpu_found, self._copy[0] = why, None, False
+        log.warning("gpu: unavailable (%s); the TVM part runs on the CPU", why)
+
+    def _load_gpu(self, bundle: hmod.Bundle, entry: dict, VirtualMachine) -> None:
+        """The SM's library on the GPU, its weights moved there, then the load-time check: the first
+        golden pair within the bundle's promise, as the armnn executor checks its orders on probes.
+        Anything failing: _gpu_off with the reason, and the caller loads the CPU library."""
+        sm = self.gpu_found.sm
+        try:
+            path = self.workdir / f"{self.target}.{sm}.so"
+            path.write_bytes(bundle.library(entry["libs"][sm]))
+            self.dev = self._tvm.cuda(0)
+            self.vm = VirtualMachine(self._tvm.runtime.load_module(str(path)), [self.dev, self._tvm.cpu()])
+            self._params = self._lib_params(bundle)
+        except hmod.BundleError:
+            raise
+        except Exception as err:
+            self.vm = None
+            self._gpu_off(f"the {sm} library does not load: {_first_line(err)}")
+            return
+        self.inputs = self.manifest["inputs"]
+        self._args = None
+        try:
+            ins, want = bundle.golden()[0]
+            ties = agreement.golden_ties(bundle)
+            verdict = agreement.compare(self.run(ins), want, self.manifest, agreement.path_of(self.describe()),
+                                        ties[0] if ties else None)
+            why = None if verdict.ok else f"computes the first golden pair wrongly: {verdict.reason}"
+        except hmod.BundleError:
+            raise
+        except Exception as err:
+            why = f"the first golden pair failed on it: {_first_line(err)}"
+        if why:
+            self.vm = None
+            self._gpu_off(f"{sm}: {why}")
+        else:
+            log.info("gpu: the TVM part runs on %s (%s)", self.gpu_found.device or "the GPU", self.gpu_found.why)
+        self.reset_stats()
 
     def _lib_params(self, bundle: hmod.Bundle) -> list:
         """The main module's weights (format 4 ``lib_params``: one member for every target's lib),
@@ -280,12 +339,22 @@ class HybridModule:
         return session
 
     @staticmethod
-    def _make_delegate(ex, sg: Subgraph, n_in: int):
+    def _make_delegate(ex, sg: Subgraph, n_in: int, copy: list[bool] | None = None):
+        """``copy[0]`` (read at each call): the VM's buffers are on the GPU, so the order's inputs
+        are copied to host memory and its outputs back (the boundary's cost, in bridge_us)."""
         clock = time.perf_counter_ns
 
         def call(*args):
             # DPS: inputs then outputs; dlpack gives zero-copy numpy views of the VM's buffers.
             t0 = clock()
+            if copy is not None and copy[0]:
+                outs = [np.empty(tuple(int(d) for d in a.shape), str(a.dtype)) for a in args[n_in:]]
+                ex.run_into([a.numpy() for a in args[:n_in]], outs)
+                for a, o in zip(args[n_in:], outs):
+                    a.copyfrom(o)
+                sg.record(clock() - t0, ex.last_run_ns)
+                sg.zero_copy = False
+                return
             views = [np.from_dlpack(a) for a in args]
             ex.run_into(views[:n_in], views[n_in:])
             sg.record(clock() - t0, ex.last_run_ns)
@@ -339,6 +408,15 @@ class HybridModule:
             return f"unavailable ({self.npu_unavailable})"
         on = [s.backend for s in self.subgraphs if s.executor == "rknn"]
         return f"rknn ({on[0]})" if on else None
+
+    def gpu(self) -> str | None:
+        """What ``status`` says of the GPU: None when the bundle has no GPU part for this target,
+        "cuda <sm> (<device>)" when the TVM part runs there, "unavailable (<reason>)" otherwise."""
+        if self.gpu_unavailable:
+            return f"unavailable ({self.gpu_unavailable})"
+        if self.gpu_found is not None:
+            return f"cuda {self.gpu_found.sm} ({self.gpu_found.device or 'GPU'})"
+        return None
 
     def reset_stats(self) -> None:
         for s in self.subgraphs:

@@ -192,6 +192,9 @@ class Service:
             npu = self.model.module.npu() if self.model.module is not None else None
             if npu:
                 s["npu"] = npu
+            gpu = self.model.module.gpu() if self.model.module is not None else None
+            if gpu:
+                s["gpu"] = gpu
         if self.source is not None:
             s["camera"] = self.source.name
             lost = self.source.lost_info()
