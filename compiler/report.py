@@ -9,7 +9,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from tandoor_contract import hmod
+from tandoor_contract import gpu as gpu_contract, hmod
 
 from . import hatch
 
@@ -20,7 +20,8 @@ JSON_KEYS = ("format_version", "model", "targets", "inputs", "outputs", "ops_tot
 def summary(bundle: hmod.Bundle) -> dict:
     m = bundle.manifest
     info = {k: m.get(k) for k in JSON_KEYS}
-    info["targets"] = {t: {"arch": v["arch"]} for t, v in m["targets"].items()}
+    info["targets"] = {t: {"arch": v["arch"], **({"gpu": _gpu_part(bundle, g)} if (g := gpu_contract.entry_of(v)) else {})}
+                       for t, v in m["targets"].items()}
     info["partitions"] = [{"symbol": p["symbol"], "ops": p["ops"], "delegate": p["delegate"], "reason": p["reason"],
                            "est": p.get("est", {}), **({"kind": p["kind"]} if "kind" in p else {})}
                           for p in m["partitions"]]
@@ -73,6 +74,18 @@ def tvm_ops_by_op(tvm_ops: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (-r["count"], r["op"]))
 
 
+def _gpu_part(bundle: hmod.Bundle, g: dict) -> dict:
+    """A target's GPU part as its libraries' code says (contract/gpu.py reads their cubins' ELF
+    headers), not as the manifest claims: SM -> {cubins: [SM...], kernel_bytes, lib_bytes}."""
+    out = {}
+    for sm, member in sorted((g.get("libs") or {}).items()):
+        found = gpu_contract.cubins(bundle.library(member))
+        out[sm] = {"cubins": [s for s, _ in found], "kernel_bytes": sum(n for _, n in found),
+                   "lib_bytes": len(bundle.read(member))}
+    return {"kind": g.get("kind"), "version": g.get("version"), "runtime": g.get("runtime"),
+            "schedules": g.get("schedules"), "libs": out}
+
+
 def print_summary(info: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -84,6 +97,13 @@ def print_summary(info: dict) -> None:
     c.print("inputs:  " + ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in info["inputs"]))
     c.print("outputs: " + ", ".join(f"{o['name']} {o['dtype']}{o['shape']}" for o in info["outputs"]))
     c.print("targets: " + ", ".join(f"{t} ({v['arch']})" for t, v in info["targets"].items()))
+    for t, v in info["targets"].items():
+        if g := v.get("gpu"):    # the TVM part on the GPU; delegated orders stay on the CPU
+            libs = ", ".join(f"{sm} ({', '.join(x['cubins']) or 'NO cubin'}: {x['kernel_bytes'] / 1e3:.1f} KB of "
+                             f"kernels, library {x['lib_bytes'] / 1e3:.1f} KB)" for sm, x in g["libs"].items())
+            c.print(f"gpu ({t}): {g['kind']} {libs}, runtime {g['runtime']}, {g['schedules']}; the TVM part runs on "
+                    "the GPU, delegated orders on the CPU (their tensors copied across each call); the CPU lib is "
+                    "the fallback")
     if (cached := info.get("cache") or {}).get("hit"):
         c.print(f"compiled: {cached['compiled']}, taken from the compile cache {info['created']} "
                 f"(entry {cached['key'][:12]}; tandoor compile --no-cache recompiles)")
