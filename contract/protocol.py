@@ -122,6 +122,31 @@ def is_final(state: str) -> bool:
     return bool(s and s.final)
 
 
+#: The order of a job's states, as the device acks them: from the state a job was last acked in
+#: (None: none yet in this agent process: a new offer, or a job known only from before a restart,
+#: whose answer is rolled_back, confirming or committed), the states it may go to next. Acking the
+#: same state again (progress, a repeated answer, a note) is not a step. The device advances a job
+#: in one place (``agent/update/jobs.py: Updater._advance``), which refuses a step not listed here.
+JOB_STEPS: dict[str | None, tuple[str, ...]] = {
+    None: ("received", "failed", "cancelled", "confirming", "committed", "rolled_back"),
+    "received": ("verified", "failed", "cancelled"),
+    "verified": ("staged", "failed"),
+    "staged": ("trial", "failed"),
+    # the gate's verdict (committed / rolled_back), or an I/O fault once the trial is gone (failed)
+    "trial": ("committed", "rolled_back", "failed"),
+    "confirming": ("committed", "rolled_back"),
+    "committed": ("rolled_back", "failed"),   # the operator's rollback; a fault after the commit
+    "rolled_back": (),
+    "failed": (),
+    "cancelled": (),
+}
+
+
+def step_allowed(last: str | None, state: str) -> bool:
+    """Whether a job last acked in ``last`` may be acked ``state`` now (the same state again: yes)."""
+    return state == last or state in JOB_STEPS.get(last, ())
+
+
 
 # --- why a job ended (the ``kind`` of a final ack) ----------------------------------------------
 

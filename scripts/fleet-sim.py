@@ -100,20 +100,16 @@ class SimDevice:
         self.updater.on_connected()
 
     def _gate(self, store, keys, latency_budget_ms=None, frames=20, delegate=None, **kw):
+        """The verdict, as health.gate returns it (the job settles the trial on it)."""
         from tandoor_agent.update.health import HealthReport
 
         time.sleep(self.gate_s)
         if self.fail_gate:
-            rep = HealthReport(ok=False, reason="golden self-test failed: simulated failure", frames=frames)
-            store.rollback(f"health gate failed: {rep.reason}")
-            return rep
+            return HealthReport(ok=False, reason="golden self-test failed: simulated failure", frames=frames)
         rep = HealthReport(ok=True, golden_ok=True, golden_max_abs_err=0.0, p95_ms=self.p95_ms,
                            median_ms=self.p95_ms * 0.8, frames=frames, latency_budget_ms=latency_budget_ms)
         if latency_budget_ms is not None and self.p95_ms > latency_budget_ms:
             rep.ok, rep.reason = False, f"p95 latency {self.p95_ms:g} ms over budget {latency_budget_ms:g} ms"
-            store.rollback(f"health gate failed: {rep.reason}")
-            return rep
-        store.commit(f"health gate passed ({rep.summary()})")
         return rep
 
     def _swap(self, timeout_s: float = 0.0) -> None:

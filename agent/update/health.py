@@ -322,9 +322,9 @@ def gate(store, trusted_keys: Iterable[hmod.KeySource] = (), latency_budget_ms: 
          frames: int = DEFAULT_FRAMES, delegate: str = "auto", isolated: bool = True,
          timeout_s: float = DEFAULT_TIMEOUT_S, check: Callable[..., HealthReport] | None = None
          ) -> HealthReport:
-    """The health gate on a SlotStore's trial: healthy -> commit, else rollback with the reason.
-    Returns the report (the update job acks committed or rolled_back with ``report.reason``).
-    Raises CheckStopped, changing nothing, when :func:`stop_running` ended the check."""
+    """The health gate on a SlotStore's trial: its verdict (the report), nothing changed. The
+    update job commits or rolls the trial back on it (``jobs.settle``, a step of the job itself).
+    Raises CheckStopped when :func:`stop_running` ended the check."""
     from .slots import TransitionError
 
     trial = store.trial()
@@ -337,17 +337,12 @@ def gate(store, trusted_keys: Iterable[hmod.KeySource] = (), latency_budget_ms: 
     if check is health_check_isolated:
         kw["timeout_s"] = timeout_s
     try:
-        report = check(path, list(trusted_keys), **kw)
+        return check(path, list(trusted_keys), **kw)
     except CheckStopped:
         raise  # the trial stays as it is: recover_on_start rolls it back at the next start
     except Exception as e:  # the checker itself broke: that is not a healthy model either
-        report = HealthReport(ok=False, reason=f"health check error: {_one_line(e)}",
-                              latency_budget_ms=latency_budget_ms)
-    if report.ok:
-        store.commit(reason=f"health gate passed ({report.summary()})")
-    else:
-        store.rollback(f"health gate failed: {report.reason}")
-    return report
+        return HealthReport(ok=False, reason=f"health check error: {_one_line(e)}",
+                            latency_budget_ms=latency_budget_ms)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,201 +50,57 @@ offer itself.
 
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
-import http.client
+
+from __future__ import annotations
+
 import json
 import logging
-import math
 import os
 import queue
-import re
-import shutil
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tandoor_contract import durable, hmod, protocol
-from tandoor_contract.errors import TandoorError
 
 from . import health
 from .deadlines import Deadlines
-from .keys import Keyring, KeyOpError
+from .finals import Finals
+from .keys import KeyOpError, Keyring
+from .offer import (BOOT_ATTEMPTS, CONFIRM_FRAMES, CRASH_ENV, JOB_ID_RE, Job, JobError, SwapTimeout,  # noqa: F401
+                    iso, job_id_of, parse_deadline, parse_offer)
 from .slots import Busy, InstallRefused, io_kind, refusal_from
+from .transfer import Transfer
 
 log = logging.getLogger("tandoor.updater")
 
-MAX_OFFER_BYTES = 1 << 20           # the offer JSON
-MAX_CHUNK_BYTES = 4 << 20           # one chunk
-MAX_BUNDLE_BYTES = 4 << 30          # the whole bundle
-MAX_CHUNKS = 100_000
-MAX_NEED_LIST = 512                 # indices per need message
-MAX_STALL_S = 7 * 86400
-FINALS_KEPT = 64
-DOWNLOAD_QUEUE = 8                  # chunks a URL download may have waiting for the worker
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
-TRANSPORTS = ("mqtt", "url")
-BOOT_ATTEMPTS = 3                   # starts a new commit may die in before it is rolled back
-CONFIRM_FRAMES = 10                 # frames a new commit serves before its starts stop counting
-CRASH_ENV = "TANDOOR_UPDATE_CRASH_AT"  # tests: SIGKILL the agent right after acking this state
+_Job = Job  # the name tests and older callers import
+STEPS_KEPT = 256   # jobs whose last state the updater remembers for JOB_STEPS (the finals cover the rest)
 
 
-class JobError(TandoorError):
-    def __init__(self, kind: str, msg: str) -> None:
-        super().__init__(msg, kind=kind)
+def settle(store, report) -> bool:
+    """The trial's outcome from the health gate's verdict: a healthy trial is committed, a sick one
+    rolled back with the gate's reason. The job's own step (``Updater._finish_inner``) calls it;
+    the gate only judges."""
+    if report.ok:
+        store.commit(reason=f"health gate passed ({report.summary()})")
+    else:
+        store.rollback(f"health gate failed: {report.reason}")
+    return bool(report.ok)
 
 
-class SwapTimeout(TandoorError):
-    """The hot swap did not finish within its deadline (raised by the ``swap`` callable)."""
-
-
-def parse_deadline(v: Any) -> float | None:
-    """Epoch seconds (number or numeric string) or ISO-8601 -> epoch seconds; None for None."""
-    if v is None:
-        return None
-    if isinstance(v, bool):
-        raise ValueError("deadline must be epoch seconds or ISO-8601")
-    if isinstance(v, (int, float)):
-        if not math.isfinite(v):
-            raise ValueError("deadline must be finite")
-        return float(v)
-    if isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            pass
-        t = _dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
-        if t.tzinfo is None:
-            t = t.replace(tzinfo=_dt.timezone.utc)
-        return t.timestamp()
-    raise ValueError("deadline must be epoch seconds or ISO-8601")
-
-
-def iso(epoch: float) -> str:
-    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def parse_offer(payload: bytes) -> dict[str, Any]:
-    """Validate a job offer; raises JobError("malformed", ...) naming the first problem."""
-    try:
-        o = protocol.json_object(payload, MAX_OFFER_BYTES, "the offer")
-    except ValueError as e:
-        raise JobError("malformed", f"malformed job: {e}") from None
-    jid = o.get("job_id")
-    if not isinstance(jid, str) or not JOB_ID_RE.match(jid):
-        raise JobError("malformed", "malformed job: job_id must be 1-100 of A-Z a-z 0-9 . _ -")
-
-    def bad(msg: str) -> JobError:
-        return JobError("malformed", f"malformed job: {msg}")
-
-    def need_int(k, lo, hi):
-        v = o.get(k)
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise bad(f"{k} must be an integer in {lo}..{hi}, got {v!r}")
-        return v
-
-    def opt_number(k, lo, hi):
-        v = o.get(k)
-        if v is None:
-            return None
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not lo < v <= hi:
-            raise bad(f"{k} must be a number in ({lo}, {hi}], got {v!r}")
-        return float(v)
-
-    size = need_int("size", 1, MAX_BUNDLE_BYTES)
-    cs = need_int("chunk_size", 1, MAX_CHUNK_BYTES)
-    n = need_int("n_chunks", 1, MAX_CHUNKS)
-    if n != -(-size // cs):
-        raise bad(f"n_chunks {n} does not fit size {size} / chunk_size {cs}")
-    sha = o.get("sha256")
-    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
-        raise bad("sha256 must be 64 lowercase hex digits")
-    shas = o.get("chunk_sha256")
-    if not isinstance(shas, list) or len(shas) != n or not all(
-            isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in shas):
-        raise bad(f"chunk_sha256 must be {n} sha256 hex strings")
-    try:
-        o["_deadline"] = parse_deadline(o.get("deadline"))
-    except (ValueError, TypeError) as e:
-        raise bad(f"deadline: {e}") from None
-    opt_number("latency_budget_ms", 0, 1e9)
-    o["_stall_s"] = opt_number("stall_timeout_s", 0, MAX_STALL_S)
-    o["_issued"] = opt_number("issued", 0, 1e11) or 0.0
-    hf = o.get("health_frames", 20)
-    if not isinstance(hf, int) or isinstance(hf, bool) or not 0 <= hf <= 100_000:
-        raise bad("health_frames must be an integer in 0..100000")
-    o["health_frames"] = hf
-    if not isinstance(o.get("allow_downgrade", False), bool):
-        raise bad("allow_downgrade must be true or false")
-    transport = o.get("transport", "mqtt")
-    if transport not in TRANSPORTS:
-        raise bad(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-    o["transport"] = transport
-    if transport == "url":
-        url = o.get("url")
-        if not isinstance(url, str) or not re.match(r"^https?://[^\s/]+", url) or len(url) > 4096:
-            raise bad("url must be an http:// or https:// URL (at most 4096 characters)")
-    return o
-
-
-class _Job:
-    """One accepted job: its offer, its partial file, what has arrived."""
-
-    def __init__(self, offer: dict[str, Any], path: Path, stall_s: float) -> None:
-        self.offer = offer
-        self.id: str = offer["job_id"]
-        self.size: int = offer["size"]
-        self.chunk_size: int = offer["chunk_size"]
-        self.n: int = offer["n_chunks"]
-        self.shas: list[str] = offer["chunk_sha256"]
-        self.deadline: float | None = offer.get("_deadline")
-        self.issued: float = offer.get("_issued") or 0.0
-        self.stall_s: float = offer.get("_stall_s") or stall_s
-        self.transport: str = offer.get("transport", "mqtt")
-        self.path = path
-        self.state = "received"          # the last state acked
-        self.received: set[int] = set()
-        self.bad: dict[int, int] = {}
-        self.fd: int | None = None
-        self.finishing = False
-        self.ended = threading.Event()
-        self.t_start = time.monotonic()
-        self.last_progress = time.monotonic()
-        self.last_need = 0.0
-        self.need_backoff = 0.0
-        self.duplicates = 0
-        self.last_error: str | None = None  # the URL download's last failure
-        self.fetched: set[int] = set()      # chunks the URL download handed to the worker
-
-    def chunk_len(self, i: int) -> int:
-        return self.chunk_size if i < self.n - 1 else self.size - self.chunk_size * (self.n - 1)
-
-    def missing(self) -> list[int]:
-        return [i for i in range(self.n) if i not in self.received]
-
-    def expires_at(self) -> float:
-        """Epoch seconds when this job ends by itself: its deadline, or a stall."""
-        stall = time.time() + self.stall_s - (time.monotonic() - self.last_progress)
-        return min(stall, self.deadline) if self.deadline is not None else stall
-
-    def describe(self) -> str:
-        return (f"job {self.id} running ({self.state}, {len(self.received)} of {self.n} chunks; "
-                f"expires {iso(self.expires_at())} unless it progresses)")
-
-
-class Updater:
+class Updater(Transfer, Finals):
     """The device side of update jobs. Transport-agnostic: ``publish(topic, payload: bytes,
     qos, retain)`` sends, ``subscribe(topic)`` / ``unsubscribe(topic)`` follow a job's fleet-wide
     chunk topic, :meth:`on_message` receives (call it from the MQTT thread; it only queues),
     :meth:`on_connected` after every (re)connect (subscribing :attr:`subscriptions` first).
 
-    ``gate(store, trusted_keys, latency_budget_ms=, frames=, delegate=, timeout_s=)`` decides
-    commit or rollback (default: health.gate, the check in a child process). ``swap(timeout_s)``,
+    ``gate(store, trusted_keys, latency_budget_ms=, frames=, delegate=, timeout_s=)`` returns the
+    trial's verdict (default: health.gate, the check in a child process); the job then commits or
+    rolls back itself (:func:`settle`). ``swap(timeout_s)``,
     called after a commit, loads the newly committed slot into the serving loop and returns when
     it serves (raise to refuse, SwapTimeout past its deadline: the commit is then rolled back).
     ``deadlines`` says how long each may take (deadlines.py; 0 = sized from measured load times).
@@ -292,8 +148,9 @@ class Updater:
         self._connected_at: float | None = None  # when the current MQTT session began (monotonic)
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.RLock()
-        self._active: _Job | None = None
+        self._active: Job | None = None
         self._pending_acks: list[dict] = []
+        self._steps: dict[str, str] = {}   # job id -> the state it was last advanced to (this process)
         self._finals: dict[str, dict] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -316,15 +173,6 @@ class Updater:
         """Whether an incoming message is the updater's (the link routes it here)."""
         return topic.startswith(self.base + "/update/") or topic.startswith(
             f"{self.prefix}/{protocol.FLEET_LEVEL}/{protocol.UPDATE_CHUNK}/")
-
-    def _follow(self, job: _Job, on: bool) -> None:
-        fn = self.subscribe if on else self.unsubscribe
-        if fn is None or job.transport != "mqtt":
-            return
-        try:
-            fn(protocol.group_chunk_filter(self.prefix, job.id))
-        except Exception as e:  # offline: the next connect subscribes from `subscriptions`
-            log.warning("cannot %s the chunks of job %s: %s", "subscribe to" if on else "unsubscribe from", job.id, e)
 
     # ------------------------------------------------------------------------ lifecycle
     def recover(self) -> list[str]:
@@ -382,6 +230,7 @@ class Updater:
             # started before (its hot swap counted one): the agent died with the job unanswered
             if job is not None and job not in self._finals and int(boot.get("attempts") or 0) >= 2:
                 self._unconfirmed = job
+                self._advance(job, "confirming")
                 self._pending_acks.append(self._confirming_ack(job, boot))
 
     def _confirming_ack(self, job: str, boot: dict) -> dict:
@@ -410,7 +259,7 @@ class Updater:
                                               f"{self.confirm_frames} frames", slot=rec.get("slot"),
                             sha256=rec.get("sha256"))
 
-    def _resumable(self, p: Path) -> _Job | None:
+    def _resumable(self, p: Path) -> Job | None:
         """The persisted offer at ``p`` as a job to resume, or None (and the files removed)."""
         try:
             offer = parse_offer(p.read_bytes())
@@ -424,7 +273,7 @@ class Updater:
             p.unlink(missing_ok=True)
             self.store.staging_path(jid).unlink(missing_ok=True)
             return None
-        job = _Job(offer, self.store.staging_path(jid), self.stall_timeout_s)
+        job = Job(offer, self.store.staging_path(jid), self.stall_timeout_s)
         self._rescan(job)
         return job
 
@@ -479,17 +328,39 @@ class Updater:
     def on_connected(self) -> None:
         self._q.put(("connected",))
 
-    # --------------------------------------------------------------------------- sending
-    def _ack(self, job_id: str | None, state: str, **fields: Any) -> dict:
+    # ------------------------------------------------------------------ advancing a job
+    def _advance(self, job_id: str | None, state: str) -> None:
+        """The one place a job moves to its next state: the step must be one of
+        ``protocol.JOB_STEPS`` from the state the job was last acked in (a bug otherwise)."""
         if state not in protocol.JOB_STATES:  # a state exists in the contract or nowhere
+            raise ValueError(f"{state!r} is not a job state of tandoor_contract.protocol.JOB_STATES")
+        if job_id is None:  # an offer too broken to name its job: no job to advance
+            return
+        last = self._steps.get(job_id)
+        if not protocol.step_allowed(last, state):
+            raise ValueError(f"job {job_id}: {last} -> {state} is not a step of tandoor_contract.protocol.JOB_STEPS")
+        self._steps.pop(job_id, None)
+        self._steps[job_id] = state
+        while len(self._steps) > STEPS_KEPT:
+            self._steps.pop(next(iter(self._steps)))
+        a = self._active
+        if a is not None and a.id == job_id:
+            a.state = state
+
+    def _ack(self, job_id: str | None, state: str, **fields: Any) -> dict:
+        """Advance the job to ``state`` and say so on ``update/ack``."""
+        self._advance(job_id, state)
+        return self._publish_ack(job_id, state, **fields)
+
+    def _publish_ack(self, job_id: str | None, state: str, **fields: Any) -> dict:
+        """Send an ack (retained) without advancing: a step's own ack, a queued final sent at the
+        reconnect, or a job's state said again (a repeated offer, a refused cancel)."""
+        if state not in protocol.JOB_STATES:
             raise ValueError(f"{state!r} is not a job state of tandoor_contract.protocol.JOB_STATES")
         body = {"job_id": job_id, "device_id": self.device_id, "state": state,
                 "ts": round(time.time(), 3), **{k: v for k, v in fields.items() if v is not None}}
         self._send(self.topic[protocol.UPDATE_ACK], body, retain=True)
         self.counters["acks"] += 1
-        a = self._active
-        if a is not None and a.id == job_id:
-            a.state = state
         log.info("job %s: %s%s", job_id, state, f" ({fields['reason']})" if fields.get("reason") else "")
         crash = os.environ.get(CRASH_ENV)
         if crash and crash == state and (state != "received" or fields.get("missing") == 0):
@@ -505,99 +376,7 @@ class Updater:
         except Exception as e:  # offline: paho queues QoS 1; anything else is only logged
             log.warning("cannot publish on %s: %s", topic, e)
 
-    def _need(self, job: _Job, bad: list[int] | None = None, reconnected: bool = False) -> None:
-        miss = bad or job.missing()
-        if not miss or job.transport != "mqtt":
-            return
-        if bad is None:
-            job.last_need = time.monotonic()
-            job.need_backoff = min(30.0, max(self.need_interval_s, job.need_backoff * 2 or self.need_interval_s))
-        self.counters["needs"] += 1
-        self._send(self.topic[protocol.UPDATE_NEED], {
-            "job_id": job.id, "device_id": self.device_id, "missing": miss[:MAX_NEED_LIST],
-            "n_missing": job.n - len(job.received), "count": len(job.received), "n_chunks": job.n,
-            **({"bad": bad} if bad else {}), **({"reconnected": True} if reconnected else {}),
-            # how long this MQTT session has been subscribed: anything sent before is lost to it
-            **({"session_s": round(time.monotonic() - self._connected_at, 3)} if self._connected_at else {}),
-            "ts": round(time.time(), 3)})
-
-    # ----------------------------------------------------------------------- final acks
-    def _finals_path(self) -> Path:
-        return self.dir / "finals.json"
-
-    def _load_finals(self) -> None:
-        try:
-            d = json.loads(self._finals_path().read_text())
-            if isinstance(d, dict):
-                self._finals = d
-        except (OSError, ValueError):
-            self._finals = {}
-
-    def _save_finals(self) -> None:
-        if self.dir is None:
-            return
-        items = sorted(self._finals.items(), key=lambda kv: kv[1].get("ts", 0))[-FINALS_KEPT:]
-        self._finals = dict(items)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            durable.atomic_write(self._finals_path(), json.dumps(self._finals).encode())
-        except OSError as e:  # a full disk must not stop the answer going out
-            log.warning("cannot record the final ack: %s", e)
-
-    def _final(self, job_id: str | None, state: str, reason: str | None, kind: str | None = None,
-               publish_now: bool = True, **fields: Any) -> None:
-        """A final ack; recorded for the same job again unless ``protocol.KINDS`` says the kind
-        is transient."""
-        if not protocol.is_final(state):
-            raise ValueError(f"{state!r} is not a final job state")
-        if not protocol.kind_fits(kind, state):  # a kind exists in the contract, for its states, or nowhere
-            raise ValueError(f"kind {kind!r} is not one of tandoor_contract.protocol.KINDS for {state!r}")
-        body = {"job_id": job_id, "device_id": self.device_id, "state": state, "reason": reason,
-                "kind": kind, "ts": round(time.time(), 3), **fields}
-        body = {k: v for k, v in body.items() if v is not None}
-        if job_id is not None and protocol.recorded(kind):
-            self._finals[job_id] = body
-            self._save_finals()
-        if publish_now:
-            self._ack(job_id, state, **{k: v for k, v in body.items()
-                                        if k not in ("job_id", "device_id", "state", "ts")})
-        else:
-            self._pending_acks.append(body)
-
-    def journal(self) -> list[dict[str, Any]]:
-        """The acks journal's word on bundles, for the slot store's recovery: every recorded
-        final that names a sha256 and committed or rolled back it ({"sha256", "outcome",
-        "job_id", "at"}). The finals are the answers the fleet saw, so a recovery that follows
-        them never contradicts an ack."""
-        if not self._finals and self.dir is not None:
-            self._load_finals()
-        return [{"sha256": f["sha256"], "outcome": f["state"], "job_id": j, "at": f.get("ts") or 0}
-                for j, f in self._finals.items()
-                if isinstance(f, dict) and f.get("state") in ("committed", "rolled_back") and f.get("sha256")]
-
-    def _recorded_final(self, jid: str) -> dict | None:
-        done = self._finals.get(jid)
-        if done is None and jid == self._unconfirmed:
-            return None  # committed in the slots, but not yet known to serve: not final yet
-        if done is None and self.store is not None:
-            rec = self.store.job(jid)
-            if rec and protocol.is_final(rec.get("outcome") or ""):
-                done = {"job_id": jid, "device_id": self.device_id, "state": rec["outcome"],
-                        "reason": rec.get("reason"), "kind": rec.get("kind"), "sha256": rec.get("sha256")}
-        return done
-
-    def _repeat_confirming(self, jid: str) -> None:
-        boot = self.store.boot() or {}
-        body = self._confirming_ack(jid, boot)
-        self._ack(jid, "confirming", **{k: v for k, v in body.items() if k not in ("job_id", "device_id", "state", "ts")})
-
-    def _repeat_final(self, done: dict) -> None:
-        log.info("job %s again: answering with its final ack (%s)", done["job_id"], done["state"])
-        self._ack(done["job_id"], done["state"], **{k: v for k, v in done.items()
-                                                    if k not in ("job_id", "device_id", "state", "ts")},
-                  repeated=True)
-
-    def _end_job(self, job: _Job, keep_part: bool = False) -> None:
+    def _end_job(self, job: Job, keep_part: bool = False) -> None:
         job.ended.set()
         if job.fd is not None:
             try:
@@ -647,7 +426,7 @@ class Updater:
         self._connected_at = time.monotonic()
         pending, self._pending_acks = self._pending_acks, []
         for body in pending:
-            self._ack(body["job_id"], body["state"], **{k: v for k, v in body.items()
+            self._publish_ack(body["job_id"], body["state"], **{k: v for k, v in body.items()
                                                         if k not in ("job_id", "device_id", "state", "ts")})
         a = self._active
         if a is not None and not a.finishing:
@@ -660,35 +439,13 @@ class Updater:
         if a is not None and a.id == jid and not a.finishing:
             self._complete(a)
 
-    def _tick(self) -> None:
-        a = self._active
-        if a is None or a.finishing:
-            return
-        now = time.monotonic()
-        if a.deadline is not None and time.time() > a.deadline:
-            self._final(a.id, "failed", f"expired: the deadline passed with {len(a.received)} of {a.n} chunks received",
-                        kind="expired", count=len(a.received), n_chunks=a.n)
-            self._end_job(a)
-            return
-        if now - a.last_progress > a.stall_s:
-            why = f"; the download's last error: {a.last_error}" if a.last_error else ""
-            self._final(a.id, "failed", f"transfer stalled: no progress for {a.stall_s:g} s "
-                        f"({len(a.received)} of {a.n} chunks received){why}; the job was dropped",
-                        kind="download" if a.last_error else "stalled", count=len(a.received), n_chunks=a.n)
-            self._end_job(a)
-            return
-        wait = max(self.need_interval_s, a.need_backoff)
-        idle = self._q.empty()  # chunks still queued here are not missing, only not yet written
-        if idle and now - a.last_progress >= self.need_interval_s and now - a.last_need >= wait:
-            self._need(a)
-
     # ---------------------------------------------------------------------------- offers
     def _on_offer(self, payload: bytes) -> None:
         self.counters["offers"] += 1
         try:
             offer = parse_offer(payload)
         except JobError as e:
-            self._final(_job_id_of(payload), "failed", str(e), kind=e.kind)
+            self._final(job_id_of(payload), "failed", str(e), kind=e.kind)
             return
         jid = offer["job_id"]
         if jid == self._unconfirmed:
@@ -729,62 +486,6 @@ class Updater:
             return "busy", f"busy: job {t.get('job_id')} running (in trial)"
         return None
 
-    def _accept(self, offer: dict) -> None:
-        """Stage the download (room checked, preallocated), persist the offer, follow the job's
-        chunks, then say ``received``; refusals are ``failed`` and leave nothing behind."""
-        jid = offer["job_id"]
-        path = self.store.staging_path(jid)
-        job = _Job(offer, path, self.stall_timeout_s)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            free = shutil.disk_usage(path.parent).free
-            need = offer["size"] + getattr(self.store, "reserve_bytes", 0)
-            if free < need:
-                raise OSError(durable.NO_SPACE, f"not enough disk space to stage the bundle: {free} bytes free, "
-                                                f"{need} needed; the running model is untouched")
-            job.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                os.posix_fallocate(job.fd, 0, offer["size"])
-            except (AttributeError, OSError) as e:
-                if getattr(e, "errno", None) == durable.NO_SPACE:
-                    raise
-                os.ftruncate(job.fd, offer["size"])
-            self._persist_offer(offer, path)
-        except OSError as e:
-            self._end_job(job)
-            msg = e.strerror if isinstance(e.strerror, str) else str(e)
-            kind = io_kind(e)
-            if kind == "no_space" and "running model" not in msg:
-                msg = f"staging: {msg}; the running model is untouched"
-            self._final(jid, "failed", msg, kind=kind)
-            return
-        with self._lock:
-            self._active = job
-        self._follow(job, True)  # before the ack: the broker then has the subscription when the host sees it
-        self._ack(jid, "received", count=0, n_chunks=job.n, missing=job.n, transport=job.transport)
-        if job.transport == "url":
-            self._start_download(job)
-
-    def _persist_offer(self, offer: dict, path: Path) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        p = self.dir / f"{path.name}.offer.json"
-        durable.atomic_write(p, json.dumps({k: v for k, v in offer.items() if not k.startswith("_")}).encode())
-
-    def _rescan(self, job: _Job) -> None:
-        """Which chunks of a resumed job's partial file are already right."""
-        try:
-            with open(job.path, "rb") as f:
-                for i in range(job.n):
-                    f.seek(i * job.chunk_size)
-                    data = f.read(job.chunk_len(i))
-                    if len(data) == job.chunk_len(i) and hashlib.sha256(data).hexdigest() == job.shas[i]:
-                        job.received.add(i)
-            job.fd = os.open(job.path, os.O_RDWR)
-        except OSError:
-            job.received.clear()
-            job.fd = os.open(job.path, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(job.fd, job.size)
-
     # ---------------------------------------------------------------------------- cancel
     def _on_cancel(self, payload: bytes) -> None:
         """``{"job_id": J, "reason"?}``: drop J if it is downloading; a J not seen yet is
@@ -800,7 +501,7 @@ class Updater:
             log.warning("ignoring a malformed cancel (%s)", type(e).__name__ if isinstance(e, RecursionError) else e)
             return
         if jid == self._unconfirmed:
-            self._ack(jid, "confirming", note=f"cancel refused: job {jid} is committed; it ends by itself "
+            self._publish_ack(jid, "confirming", note=f"cancel refused: job {jid} is committed; it ends by itself "
                                               f"(committed once it serves, or rolled back)")
             return
         done = self._recorded_final(jid)
@@ -810,7 +511,7 @@ class Updater:
         a = self._active
         if a is not None and a.id == jid:
             if a.finishing:
-                self._ack(jid, a.state, note=f"cancel refused: job {jid} is past its download ({a.state}); "
+                self._publish_ack(jid, a.state, note=f"cancel refused: job {jid} is past its download ({a.state}); "
                                              f"it commits or rolls back by itself")
                 return
             self._final(jid, "cancelled", f"cancelled: {why}", kind="cancelled", count=len(a.received), n_chunks=a.n)
@@ -843,124 +544,8 @@ class Updater:
         st = self.store.status()
         return [{"slot": s, "primary": st["primary"] == s, **v} for s, v in st["slots"].items()]
 
-    # ---------------------------------------------------------------------------- chunks
-    def _on_chunk(self, rest: str, data: bytes) -> None:
-        jid, _, idx = rest.rpartition("/")
-        a = self._active
-        if a is None or a.id != jid or a.finishing:
-            return
-        try:
-            i = int(idx)
-        except ValueError:
-            return
-        if 0 <= i < a.n:
-            self._take(a, i, data)
-
-    def _on_data(self, job: _Job, i: int, data: bytes) -> None:
-        """A chunk from the URL download."""
-        if self._active is job and not job.finishing:
-            self._take(job, i, data)
-
-    def _take(self, a: _Job, i: int, data: bytes) -> None:
-        """Check one chunk and write it at its offset; the last one completes the download."""
-        self.counters["chunks"] += 1
-        if i in a.received:
-            a.duplicates += 1
-            self.counters["duplicates"] += 1
-            return
-        if len(data) != a.chunk_len(i) or hashlib.sha256(data).hexdigest() != a.shas[i]:
-            self.counters["bad_chunks"] += 1
-            a.bad[i] = a.bad.get(i, 0) + 1
-            if a.bad[i] > self.max_chunk_retries:
-                self._final(a.id, "failed", f"chunk {i} failed its sha256 check {a.bad[i]} times "
-                            f"(corrupted or tampered in transit); gave up", kind="chunk_hash",
-                            count=len(a.received), n_chunks=a.n)
-                self._end_job(a)
-                return
-            log.warning("job %s: chunk %d failed its sha256 check (%d); asking again", a.id, i, a.bad[i])
-            a.fetched.discard(i)
-            self._need(a, bad=[i])
-            return
-        try:
-            os.pwrite(a.fd, data, i * a.chunk_size)
-        except OSError as e:
-            self._final(a.id, "failed", f"staging: {e.strerror or e}; the running model is untouched", kind=io_kind(e))
-            self._end_job(a)
-            return
-        a.received.add(i)
-        a.last_progress = time.monotonic()
-        a.need_backoff = 0.0
-        if len(a.received) == a.n:
-            self._complete(a)
-
-    # ------------------------------------------------------------------- URL transport
-    def _start_download(self, job: _Job) -> None:
-        threading.Thread(target=self._download, args=(job,), name=f"tandoor-download-{job.id}", daemon=True).start()
-
-    def _download(self, job: _Job) -> None:
-        """Fetch what is missing with Range requests, chunk by chunk into the worker's queue;
-        after any failure wait (1 s doubling to 30 s) and resume from the first missing chunk.
-        The worker's stall timeout ends a download that never gets anywhere."""
-        backoff = 1.0
-        while not job.ended.is_set() and not self._stop and not job.finishing:
-            miss = [i for i in job.missing() if i not in job.fetched]
-            if not miss:  # everything is fetched; the worker is still checking the last ones
-                job.ended.wait(0.1)
-                continue
-            try:
-                self._fetch_from(job, miss[0])
-                backoff = 1.0
-            except (OSError, http.client.HTTPException, ValueError) as e:
-                job.last_error = " ".join(str(e).split())[:300]
-                self.counters["download_errors"] += 1
-                log.warning("job %s: download from %s failed (%s); retrying in %g s", job.id,
-                            job.offer["url"], job.last_error, backoff)
-                job.ended.wait(backoff)
-                backoff = min(30.0, backoff * 2)
-
-    def _fetch_from(self, job: _Job, first: int) -> None:
-        start = first * job.chunk_size
-        req = urllib.request.Request(job.offer["url"], headers={
-            "Range": f"bytes={start}-{job.size - 1}", "User-Agent": f"tandoor-agent/{self.device_id}"})
-        self.counters["downloads"] += 1
-        with urllib.request.urlopen(req, timeout=30) as r:
-            if r.status == 206:
-                got = (r.headers.get("Content-Range") or "").split()
-                if len(got) < 2 or not got[1].startswith(f"{start}-"):
-                    raise ValueError(f"asked for bytes {start}- and got Content-Range {r.headers.get('Content-Range')!r}")
-                i = first
-            elif r.status == 200:  # the server ignores Range: the whole file again, skip what we have
-                i = 0
-            else:
-                raise ValueError(f"HTTP {r.status} from {job.offer['url']}")
-            while i < job.n and not job.ended.is_set() and not self._stop:
-                want = job.chunk_len(i)
-                data = r.read(want)
-                while len(data) < want:
-                    more = r.read(want - len(data))
-                    if not more:
-                        raise ValueError(f"the download ended early, in chunk {i}")
-                    data += more
-                while self._q.qsize() > DOWNLOAD_QUEUE and not job.ended.is_set():
-                    time.sleep(0.01)  # the worker writes as fast as the disk allows
-                if i not in job.received:
-                    job.fetched.add(i)
-                    self._q.put(("data", job, i, data))
-                i += 1
-
     # ------------------------------------------------------------------- install + gate
-    def _complete(self, job: _Job) -> None:
-        job.finishing = True
-        try:
-            os.fsync(job.fd)
-        except OSError:
-            pass
-        self._follow(job, False)
-        self._ack(job.id, "received", count=job.n, n_chunks=job.n, missing=0, duplicates=job.duplicates,
-                  seconds=round(time.monotonic() - job.t_start, 3))
-        threading.Thread(target=self._finish, args=(job,), name=f"tandoor-update-{job.id}", daemon=True).start()
-
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         try:
             self._finish_inner(job)
         except OSError as e:  # an expected fault (a full disk, an I/O error): named, no traceback
@@ -971,7 +556,7 @@ class Updater:
         finally:
             self._end_job(job)
 
-    def _end_in_error(self, job: _Job, kind: str, why: str) -> None:
+    def _end_in_error(self, job: Job, kind: str, why: str) -> None:
         """A job that broke off: its trial (if it got that far) is rolled back, the running model
         stays, the final ack names the kind; the device takes the next job at once."""
         try:
@@ -989,9 +574,9 @@ class Updater:
             self._final(job.id, "failed", f"{why}; the trial could not be rolled back ({e}): it is at the "
                                           f"agent's next start", kind=kind)
 
-    def _finish_inner(self, job: _Job) -> None:
-        """received -> verified -> staged -> trial -> committed | rolled_back; each step either
-        hands on or has already sent the final ack."""
+    def _finish_inner(self, job: Job) -> None:
+        """received -> verified -> staged -> trial -> the gate's verdict -> committed (settled, then
+        swapped in) | rolled_back; each step either hands on or has already sent the final ack."""
         model = self._verify(job)
         if model is None:
             return
@@ -1005,7 +590,7 @@ class Updater:
         hrep = {k: getattr(report, k, None) for k in ("p95_ms", "median_ms", "golden_max_abs_err", "frames",
                                                           "errors", "seconds", "load_s")}
         sha = job.offer["sha256"]
-        if not report.ok:
+        if not settle(self.store, report):  # the verdict decides: commit, or roll back with its reason
             self._final(job.id, "rolled_back", f"health gate failed: {report.reason}", kind="unhealthy",
                         slot=slot, model=model, health=hrep, sha256=sha)
             return
@@ -1019,7 +604,7 @@ class Updater:
         self._final(job.id, "committed", f"health gate passed ({report.summary()})", slot=slot, model=model,
                     sha256=sha, health=hrep, p95_ms=hrep.get("p95_ms"))
 
-    def _verify(self, job: _Job) -> dict | None:
+    def _verify(self, job: Job) -> dict | None:
         """Whole-file sha256, signature (a retired key's said so), format, arch, and not older
         than the committed model unless the job allows it: -> ``verified``; the model."""
         want = job.offer["sha256"]
@@ -1056,7 +641,7 @@ class Updater:
         self._ack(job.id, "verified", sha256=want, model=model, **({"downgrade": why} if why else {}))
         return model
 
-    def _install(self, job: _Job, model: dict) -> str | None:
+    def _install(self, job: Job, model: dict) -> str | None:
         """Into the inactive slot: -> ``staged`` then ``trial``; the slot."""
         try:
             slot = self.store.install(job.path, job.id, self.trusted_keys, expected_sha256=job.offer["sha256"],
@@ -1071,9 +656,9 @@ class Updater:
         self._ack(job.id, "trial", slot=slot, model=model)
         return slot
 
-    def _gate(self, job: _Job):
-        """The health gate's report, or None when the agent is stopping (no verdict: the trial
-        is rolled back at the next start, as after a crash)."""
+    def _gate(self, job: Job):
+        """The health gate's verdict (it changes nothing), or None when the agent is stopping (no
+        verdict: the trial is rolled back at the next start, as after a crash)."""
         try:
             if self._stop:
                 raise health.CheckStopped("the agent is stopping")
@@ -1132,15 +717,3 @@ class Updater:
         p = after["primary"]
         return {"from": before["primary"], "slot": p, "model": after["slots"][p]["model"] if p else None,
                 "sha256": after["slots"][p]["sha256"] if p else None}
-
-
-def _job_id_of(payload: bytes) -> str | None:
-    """The job id of an offer that failed validation, when it can be read (for the answer)."""
-    try:
-        o = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        # not JSON as a whole (too deeply nested, cut short): a leading "job_id" still names it
-        m = re.match(rb'\s*\{\s*"job_id"\s*:\s*"([^"\\]{1,128})"', payload[:512])
-        o = {"job_id": m.group(1).decode("utf-8", "replace")} if m else None
-    jid = o.get("job_id") if isinstance(o, dict) else None
-    return jid if isinstance(jid, str) and JOB_ID_RE.match(jid) else None

@@ -1,7 +1,7 @@
 """The health gate on real bundles: a good bundle passes; tampered golden outputs (re-signed, so
 only the self-test can catch them) fail with the error and the tolerance; a latency budget too
 small fails with the p95; inference errors and non-finite outputs are counted; the check in a
-child process reports crashes and hangs; gate() commits or rolls back a SlotStore trial."""
+child process reports crashes and hangs; gate() judges a SlotStore trial and the job's settle() commits or rolls it back."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from support.cli import compiled
 from tandoor_contract import hmod
 from tandoor_agent.update.health import HealthReport, gate, health_check, health_check_isolated
 from tandoor_agent.run.runtime import HybridModule
+from tandoor_agent.update.jobs import settle
 from tandoor_agent.update.slots import SlotStore, TransitionError
 from tandoor_zoo import models as zoo
 
@@ -196,19 +197,23 @@ def test_a_crashing_or_hanging_check_is_a_failed_check(B, keys, tmp_path):
 
 # --- the gate on a slot store ----------------------------------------------------------------
 
-def test_gate_commits_a_healthy_trial_and_rolls_back_a_sick_one(B, keys, tmp_path):
+def test_gate_judges_a_trial_and_settle_commits_a_healthy_one_and_rolls_back_a_sick_one(B, keys, tmp_path):
     pub = keys["k1.pub"]
     store = SlotStore(tmp_path / "slots")
     with pytest.raises(TransitionError, match="nothing to health-check"):
         gate(store, [pub])
     store.install(B["good"], "j1", [pub])
     rep = gate(store, [pub], delegate=DELEGATE, frames=4, isolated=False)
-    assert rep.ok and store.primary() == "a" and store.job("j1")["outcome"] == "committed"
+    # the gate only judges: the trial is still on trial until the job settles it
+    assert rep.ok and store.trial()["job_id"] == "j1" and store.job("j1")["outcome"] == "trial"
+    assert settle(store, rep) is True
+    assert store.primary() == "a" and store.job("j1")["outcome"] == "committed"
     assert store.job("j1")["reason"].startswith("health gate passed (healthy: golden max abs err")
 
     store.install(B["bad_golden"], "j2", [pub])
     rep = gate(store, [pub], delegate=DELEGATE, frames=4, isolated=False)
-    assert not rep.ok
+    assert not rep.ok and store.trial()["job_id"] == "j2"
+    assert settle(store, rep) is False
     st = store.load()
     assert st["primary"] == "a" and st["trial"] is None and st["slots"]["b"]["state"] == "bad"
     job = store.job("j2")
@@ -217,6 +222,6 @@ def test_gate_commits_a_healthy_trial_and_rolls_back_a_sick_one(B, keys, tmp_pat
     # the latency budget of the job, through the isolated check (the default)
     store.install(B["good2"], "j3", [pub])
     rep = gate(store, [pub], delegate=DELEGATE, frames=3, latency_budget_ms=0.001, timeout_s=300)
-    assert not rep.ok and store.job("j3")["outcome"] == "rolled_back"
+    assert not settle(store, rep) and store.job("j3")["outcome"] == "rolled_back"
     assert re.fullmatch(r"health gate failed: p95 latency [0-9.]+ ms over budget 0\.001 ms", store.job("j3")["reason"])
     assert store.primary_bundle() == store.dir / "a" / "model.hmod"

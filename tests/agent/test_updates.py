@@ -840,8 +840,10 @@ def test_every_state_and_kind_the_device_sends_is_in_the_contract_tables():
     from tandoor_contract import protocol
 
     root = Path(jobs.__file__).parent
-    code = (root / "jobs.py").read_text()
-    states = set(re.findall(r'self\._(?:ack|final)\((?:[\w.]+|_job_id_of\(payload\)), "([a-z_]+)"', code))
+    # the updater in all its modules (jobs.py, transfer.py, finals.py, offer.py)
+    code = "\n".join(p.read_text() for p in sorted(root.glob("*.py")) if p.name != "slots.py")
+    states = set(re.findall(r'self\._(?:ack|final|advance|publish_ack)\((?:[\w.]+|job_id_of\(payload\)), "([a-z_]+)"',
+                            code))
     assert states and states <= set(protocol.JOB_STATES), states - set(protocol.JOB_STATES)
     kinds = set(re.findall(r'kind="([a-z_]+)"', code))
     slots_code = (root / "slots.py").read_text()
@@ -858,6 +860,35 @@ def test_every_state_and_kind_the_device_sends_is_in_the_contract_tables():
     up = jobs.Updater(None, "tandoor/d", lambda *a: None)
     with pytest.raises(ValueError, match="not a job state"):
         up._ack("j", "half-done")
+
+
+def test_a_job_advances_only_along_the_contract_step_table():
+    """protocol.JOB_STEPS is the order of a job's states: every state has its row, finals lead
+    nowhere, and the updater's one advancing method refuses a step the table lacks (a bug), while
+    acking the same state again (progress, a repeated answer) is no step."""
+    from tandoor_agent.update import jobs
+    from tandoor_contract import protocol
+
+    assert set(protocol.JOB_STEPS) == set(protocol.JOB_STATES) | {None}
+    for state, nxt in protocol.JOB_STEPS.items():
+        assert set(nxt) <= set(protocol.JOB_STATES), (state, nxt)
+        if state is not None and protocol.is_final(state):  # only a commit is undone (rollback)
+            assert all(protocol.is_final(n) for n in nxt) and (nxt == () or state == "committed"), state
+    sent = []
+    up = jobs.Updater(None, "tandoor/d", lambda topic, data, qos, retain: sent.append(json.loads(data)))
+    for state in ("received", "received", "verified", "staged", "trial"):
+        up._ack("j1", state)
+    up._final("j1", "committed", "ok")
+    with pytest.raises(ValueError, match="committed -> staged is not a step"):
+        up._ack("j1", "staged")
+    up._final("j1", "rolled_back", "the operator", kind="rollback")
+    with pytest.raises(ValueError, match="None -> verified is not a step"):
+        up._ack("j2", "verified")   # a job's first ack cannot skip its download
+    up._ack("j3", "received")
+    with pytest.raises(ValueError, match="received -> trial is not a step"):
+        up._ack("j3", "trial")
+    assert [m["state"] for m in sent] == ["received", "received", "verified", "staged", "trial", "committed",
+                                         "rolled_back", "received"]
 
 
 def test_deploy_over_the_artifact_url_transport_with_the_cli(devs, broker, B):
