@@ -675,6 +675,24 @@ def _per_device(out: dict, as_json: bool, line, ok) -> None:
     sys.exit(0 if all(ok(a) for a in out.values()) else 1)
 
 
+def _db_option(f):
+    return click.option("--db", envvar="TANDOOR_CONSOLE_DB",
+                        help="Record this in the fleet console's database (sqlite:///PATH, a path, or "
+                             "postgresql://...; or $TANDOOR_CONSOLE_DB): the console shows it.")(f)
+
+
+def _console_store(db):
+    """The console's store for --db (None without it); a database that cannot be opened is one line."""
+    from tandoor_fleet.console.actions import store_from
+    from tandoor_fleet.console.store import StoreError
+
+    try:
+        return store_from(db)
+    except StoreError as err:
+        click.echo(f"tandoor: error: {err}", err=True)
+        sys.exit(2)
+
+
 def _device_list(devices: str | None) -> list[str] | None:
     return [d.strip() for d in devices.split(",") if d.strip()] if devices else None
 
@@ -755,12 +773,15 @@ def _recovery_note(status: dict) -> str:
 @click.option("--allow-downgrade", is_flag=True,
               help="Let devices install a bundle older than the one they run (refused by default).")
 @click.option("--json", "as_json", is_flag=True, help="Per device: final state and reason, as JSON.")
+@_db_option
 def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_failures, latency_budget_ms, timeout,
                  wave_size, chunk_size, health_frames, job_id, canary_soak, transport, artifact_url, serve,
-                 stall_timeout, allow_downgrade, as_json):
+                 stall_timeout, allow_downgrade, as_json, db):
     """Staged rollout of BUNDLE: canaries, then waves; stops on failures or a p95 regression.
 
     Exit code 0 when every device committed, 1 otherwise, 2 on usage/connection errors."""
+    from tandoor_fleet.console import actions
+    from tandoor_fleet.console.store import StoreError
     from tandoor_fleet.rollout import FleetError
 
     if bool(devices) == bool(all_):
@@ -771,6 +792,7 @@ def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_fail
     except ValueError:
         click.echo(f"tandoor: error: --canary {canary!r}: expected a percentage such as 10%", err=True)
         sys.exit(2)
+    store = _console_store(db)
     f = _fleet(broker, cafile, prefix)
     t0 = __import__("time").monotonic()
 
@@ -778,16 +800,19 @@ def fleet_deploy(bundle, broker, cafile, prefix, devices, all_, canary, max_fail
         click.echo(f"[{__import__('time').monotonic() - t0:6.1f}s] {msg}", err=True)
 
     try:
-        res = f.deploy(bundle, _device_list(devices), canary_pct=pct, max_failures=max_failures,
+        res = actions.deploy(f, bundle, _device_list(devices), store, "the CLI", canary_pct=pct, max_failures=max_failures,
                        latency_budget_ms=latency_budget_ms, timeout=timeout, job_id=job_id, chunk_size=chunk_size,
                        health_frames=health_frames, wave_size=wave_size, canary_soak_s=canary_soak,
                        transport=transport, artifact_url=artifact_url, serve=serve, stall_timeout_s=stall_timeout,
                        allow_downgrade=allow_downgrade, progress=progress)
-    except FleetError as err:
-        click.echo(f"tandoor: error: {err}", err=True)
+    except (FleetError, StoreError) as err:
+        click.echo(f"tandoor: error: {err}" + (" (nothing was sent: the job could not be recorded)"
+                                                if isinstance(err, StoreError) else ""), err=True)
         sys.exit(2)
     finally:
         f.close()
+    if res.get("db_error"):
+        click.echo(f"tandoor: warning: the job ran but its result is not in the database: {res['db_error']}", err=True)
     if as_json:
         click.echo(json.dumps(res, indent=2, default=str))
     else:
@@ -841,12 +866,16 @@ def fleet_status(job, broker, cafile, prefix, as_json, wait):
 @click.option("--reason", default="cancelled by the operator", show_default=True, help="Said in the cancelled ack.")
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the answers.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def fleet_cancel(job, broker, cafile, prefix, devices, reason, timeout, as_json):
+@_db_option
+def fleet_cancel(job, broker, cafile, prefix, devices, reason, timeout, as_json, db):
     """Drop JOB on the devices now (e.g. after its deploy died): they answer `cancelled` and take
     the next job at once. A device past its download finishes the job by itself (said so)."""
+    from tandoor_fleet.console import actions
+
+    store = _console_store(db)
     f = _fleet(broker, cafile, prefix)
     try:
-        out = f.cancel(job, _device_list(devices), reason=reason, timeout=timeout)
+        out = actions.cancel(f, job, _device_list(devices), store, "the CLI", reason=reason, timeout=timeout)
     finally:
         f.close()
     if not out:
@@ -918,15 +947,80 @@ def fleet_keys_retire(fingerprint, force, devices, sign_with, broker, cafile, pr
 @click.option("--devices", required=True, help="Comma-separated device ids.")
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for the answers.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def fleet_rollback(broker, cafile, prefix, devices, timeout, as_json):
+@_db_option
+def fleet_rollback(broker, cafile, prefix, devices, timeout, as_json, db):
     """Roll the devices back to their previous good slot (the `rollback` command)."""
+    from tandoor_fleet.console import actions
+
+    store = _console_store(db)
     f = _fleet(broker, cafile, prefix)
     try:
-        out = f.command(_device_list(devices), "rollback", timeout=timeout)
+        out = actions.rollback(f, _device_list(devices), store, "the CLI", timeout=timeout)
     finally:
         f.close()
     _per_device(out, as_json, lambda r: f"{'ok' if r.get('ok') else 'FAILED'} {r.get('result') or r.get('error')}",
                 lambda r: r.get("ok"))
+
+
+@fleet.command("console")
+@click.option("--db", envvar="TANDOOR_CONSOLE_DB",
+              help="sqlite:///PATH (or a path) or postgresql://user:pass@host/db; default "
+                   "~/.local/share/tandoor/console.db (or $TANDOOR_CONSOLE_DB). Migrated at start, never dropped.")
+@click.option("--listen", default="127.0.0.1:8080", show_default=True,
+              help="HOST:PORT of the web pages (localhost unless told otherwise; port 0: any free one).")
+@click.option("--broker", "brokers", multiple=True, envvar="TANDOOR_BROKER",
+              help="mqtt[s]://user:pass@host:port; repeat it to read several brokers (each holding a share of the "
+                   "devices). Actions go through the first. Default mqtt://localhost:1883 (or $TANDOOR_BROKER).")
+@click.option("--cafile", type=click.Path(exists=True, dir_okay=False), help="CA (PEM) of the brokers' TLS certificates.")
+@click.option("--prefix", default="tandoor", show_default=True, help="Topic prefix (broker.topic_prefix).")
+@click.option("--group", default="tandoor-console", show_default=True,
+              help="MQTT 5 shared-subscription group: consoles of one group split the messages.")
+@click.option("--users", type=click.Path(dir_okay=False, path_type=Path),
+              help="Users file (lines 'operator|viewer NAME SECRET', chmod 600; docs/fleet.md): logins, and the "
+                   "deploy/cancel/rollback actions for operators. Without it the pages are read-only, no login.")
+@click.option("--bundles", type=click.Path(file_okay=False, path_type=Path),
+              help="A folder of .hmod bundles the deploy form offers (besides an upload).")
+@click.option("--raw-hours", default=6.0, show_default=True, type=click.FloatRange(0.1),
+              help="Hours raw telemetry is kept.")
+@click.option("--rollup-days", default=14.0, show_default=True, type=click.FloatRange(0.1),
+              help="Days the 1-minute telemetry rollups and device events are kept.")
+@click.option("--hash-password", is_flag=True,
+              help="Read a password from stdin, print its users-file hash, and exit.")
+@debug_option
+def fleet_console(db, listen, brokers, cafile, prefix, group, users, bundles, raw_hours, rollup_days, hash_password):
+    """The fleet console: every device's status, telemetry, snapshot, jobs and key operations kept in a
+    database (SQLite or PostgreSQL), and web pages of the fleet, each device and the deployments,
+    live, with /metrics for Prometheus (docs/fleet.md, "The console")."""
+    import logging
+
+    from tandoor_fleet.console import server
+    from tandoor_fleet.console.auth import AuthError, hash_password as hash_pw
+    from tandoor_fleet.console.store import StoreError
+    from tandoor_fleet.rollout import FleetError
+
+    if hash_password:
+        pw = sys.stdin.readline().rstrip("\n")
+        if len(pw) < 8:
+            click.echo("tandoor: error: a password of at least 8 characters, on stdin", err=True)
+            sys.exit(2)
+        click.echo(hash_pw(pw))
+        return
+    logging.basicConfig(level=logging.INFO, format="[console] %(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    try:
+        server.run(db or server.default_db(), listen, list(brokers) or ["mqtt://localhost:1883"], cafile, prefix,
+                   group, users, bundles, raw_hours, rollup_days)
+    except (ValueError, StoreError, AuthError, FleetError) as err:
+        click.echo(f"tandoor: error: {err}", err=True)
+        sys.exit(2)
+    except OSError as err:
+        click.echo(f"tandoor: error: cannot listen on {listen}: {err.strerror or err}", err=True)
+        sys.exit(2)
+    except Exception as err:  # noqa: BLE001 (one line naming the stage; --debug for the traceback)
+        if DEBUG:
+            traceback.print_exc()
+        click.echo(f"tandoor: error: the console failed: {type(err).__name__}: {err}", err=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":
