@@ -4,7 +4,8 @@ One paho client per broker (a console may read several brokers, each holding a s
 devices) subscribes to ``$share/<group>/<prefix>/+/<leaf>`` for every leaf of ``LEAVES`` (MQTT 5
 shared subscriptions: consoles of one group split the messages). Shared subscriptions get no
 retained messages, so at every connect the client also subscribes plainly to the retained leaves
-for ``RETAINED_S`` seconds (the fleet as it is now), then drops those subscriptions.
+for ``RETAINED_S`` seconds (the fleet as it is now; a live message that subscription also
+delivers, told apart by its MQTT 5 subscription identifier, is dropped: the shared one has it).
 
 Every payload is checked against its leaf's size limit and parsed (JSON object, or a JPEG for
 snapshots); a bad one is one log line and a counter, never an exception out of the callback.
@@ -51,6 +52,7 @@ QUEUE_MAX = 20000
 BATCH_S = 0.2
 BATCH_N = 2000
 RETAINED_S = 3.0
+RETAINED_SUB_ID = 1   # MQTT 5 subscription identifier of the plain subscription to the retained leaves
 PRUNE_EVERY_S = 60.0
 DEVICE_ID_MAX = 200
 
@@ -102,7 +104,9 @@ class BrokerLink:
         shared = [(f"$share/{self.group}/{protocol.fleet_filter(self.prefix, leaf)}", 1) for leaf in LEAVES]
         client.subscribe(shared)
         plain = [protocol.fleet_filter(self.prefix, leaf) for leaf, spec in LEAVES.items() if spec.retained]
-        client.subscribe([(t, 1) for t in plain])
+        props = self._mqtt.Properties(self._mqtt.PacketTypes.SUBSCRIBE)
+        props.SubscriptionIdentifier = RETAINED_SUB_ID   # what it delivers live came through the shared one too
+        client.subscribe([(t, 1) for t in plain], properties=props)
         t = threading.Timer(RETAINED_S, lambda: client.unsubscribe(plain) if self.connected else None)
         t.daemon = True
         t.start()
@@ -115,6 +119,9 @@ class BrokerLink:
         self.connected = False
 
     def _on_message(self, client, userdata, msg) -> None:
+        ids = getattr(getattr(msg, "properties", None), "SubscriptionIdentifier", None) or []
+        if RETAINED_SUB_ID in (ids if isinstance(ids, list) else [ids]) and not msg.retain:
+            return      # a live message on the retained-snapshot subscription: the shared one has it
         try:
             m = parse(self.prefix, msg.topic, bytes(msg.payload), getattr(msg, "properties", None))
         except ValueError as e:
