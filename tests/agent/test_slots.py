@@ -716,7 +716,7 @@ def test_recover_after_a_simulated_crash(tmp_path, B, keys, where, primary_versi
 
 CHILD = r"""
 import os, signal, sys
-from tandoor_agent.update import slots
+from tandoor_agent.update import slot_state, slots
 slot_dir, bundle, pub, job, flow, pause = sys.argv[1:]
 pause = int(pause)
 seen = [0]
@@ -726,7 +726,7 @@ def hook(name):
         print("PAUSED", name, flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
     seen[0] += 1
-slots._hook = hook
+slot_state._hook = hook  # the failpoint every step of the store calls
 st = slots.SlotStore(slot_dir)
 st.recover_on_start()
 if flow == "stream":
