@@ -305,7 +305,11 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     with stage("codegen", timings):
         members, parts_manifest, fallbacks = _codegen(plan)
     with stage("build", timings):
-        target_entries = _build(plan, fallbacks, tgts, members, say)
+        # a GPU target's library takes the whole TVM side, ACL's regions too (policy none): a Jetson's
+        # GPU outruns ACL on its CPU cores; only the onnxruntime orders stay (compiler/backends/cuda)
+        gpu_mod = _partition(mod, loaded, opts, tgts, lambda s: None, policy="none").result.mod \
+            if any(t.gpu for t in tgts) else None
+        target_entries = _build(plan, fallbacks, tgts, members, say, gpu_mod)
     say("recording golden input/output pairs with onnxruntime")
     with stage("golden", timings):
         # an NPU bundle's pairs are held-out frames: INT8 is calibrated for frames, not noise
@@ -634,13 +638,14 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
     return probe.pack(outs, drift)
 
 
-def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
-    """The TVM side and every fallback, per target; libs become members."""
+def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None) -> dict:
+    """The TVM side and every fallback, per target; libs become members. ``gpu_mod``: the module a
+    GPU target's libraries are built from (else the plan's)."""
     lowered, values = codegen.lift_main_weights(codegen.lower_regions(plan.result.mod))
     lib_params = _params_member(values, hmod.LIB_PARAMS, members)
     provided = frozenset([p.symbol for p in plan.kept] + [g.symbol for g in plan.hatch if not g.tail])
     merged = codegen.merge_fallbacks(fallbacks) if fallbacks else None
-    target_entries = {}
+    target_entries, gpu_side = {}, None
     with tempfile.TemporaryDirectory(prefix="tandoor-") as tmp:
         tmpd = Path(tmp)
         for t in tgts:
@@ -654,10 +659,18 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say) -> dict:
             entry = {"arch": t.arch, "lib": member, "llvm": t.llvm, "fallback": {}}
             if lib_params:
                 entry["lib_params"] = lib_params    # the same member for every target
-            if t.gpu:   # the same TVM side for the target's NVIDIA GPU, one library per SM
+            if t.gpu:   # the TVM side for the target's NVIDIA GPU, one library per SM, its own weights
+                from tandoor_contract import gpu as gpu_contract
+
                 from .backends import cuda
 
-                entry["gpu"] = cuda.bundle_part(lowered, t, provided, tmpd, members, member.endswith(hmod.PACKED), say)
+                gpu_side = gpu_side or codegen.lift_main_weights(codegen.lower_regions(
+                    plan.result.mod if gpu_mod is None else gpu_mod))
+                on_gpu = frozenset(g.symbol for g in plan.hatch if not g.tail) if gpu_mod is not None else provided
+                if part := cuda.bundle_part(gpu_side[0], t, on_gpu, tmpd, members, member.endswith(hmod.PACKED), say):
+                    if gpu_params := (_params_member(gpu_side[1], gpu_contract.PARAMS, members)):
+                        part["lib_params"] = gpu_params
+                    entry["gpu"] = part
             if merged is not None:
                 # one library for every subgraph, a function each (hmod.fallback_function)
                 say(f"compiling the TVM fallbacks of {len(fallbacks)} subgraph(s) for {t.name}")

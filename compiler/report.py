@@ -101,9 +101,9 @@ def print_summary(info: dict) -> None:
         if g := v.get("gpu"):    # the TVM part on the GPU; delegated orders stay on the CPU
             libs = ", ".join(f"{sm} ({', '.join(x['cubins']) or 'NO cubin'}: {x['kernel_bytes'] / 1e3:.1f} KB of "
                              f"kernels, library {x['lib_bytes'] / 1e3:.1f} KB)" for sm, x in g["libs"].items())
-            c.print(f"gpu ({t}): {g['kind']} {libs}, runtime {g['runtime']}, {g['schedules']}; the TVM part runs on "
-                    "the GPU, delegated orders on the CPU (their tensors copied across each call); the CPU lib is "
-                    "the fallback")
+            c.print(f"gpu ({t}): {g['kind']} {libs}, runtime {g['runtime']}, {g['schedules']}; on the GPU runs the "
+                    "whole model but its onnxruntime orders (their tensors copied across at each call); the CPU lib "
+                    "with its ACL orders is the fallback")
     if (cached := info.get("cache") or {}).get("hit"):
         c.print(f"compiled: {cached['compiled']}, taken from the compile cache {info['created']} "
                 f"(entry {cached['key'][:12]}; tandoor compile --no-cache recompiles)")

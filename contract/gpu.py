@@ -5,9 +5,11 @@ CPU ``lib`` as before, and the CPU lib always stays in the bundle as the fallbac
 
     "gpu": {"version": 1, "kind": "cuda", "runtime": "cuda13",
             "libs": {"sm_87": "gpu/jetson-orin.sm_87.so.z"},     # member per SM (packed as lib is)
-            "cubin_bytes": {"sm_87": 51656}}                      # the kernels' size, for inspect
+            "cubin_bytes": {"sm_87": 51656},                      # the kernels' size, for inspect
+            "lib_params": [{"member": "gpu/lib_params.bin", ...}]} # their weights (hmod.param_arrays)
 
-Each library is the same VM code as ``lib`` (same functions, same ``lib_params``), its kernels
+Each library is the whole TVM side (ACL's regions included: a Jetson's GPU outruns ACL on its CPU
+cores; only onnxruntime orders are called out to), with its own weights (``lib_params``), its kernels
 cubins for that SM, made on the workstation (never CUDA source, never PTX only: a device's runtime
 cannot compile, and PTX from a newer NVRTC is refused by an older driver). An agent that cannot use
 any of them says why (``gpu: unavailable (<why>)``) and runs ``lib``.
@@ -28,6 +30,9 @@ GPU_VERSION = 1
 KIND = "cuda"
 #: what the libraries need on the device: TVM 0.27's libtvm_runtime_cuda.so links libcudart.so.13
 RUNTIME = "cuda13"
+#: the GPU libraries' weights (their module is not the CPU lib's: ACL's regions run in it too), shared
+#: by every GPU target as LIB_PARAMS is by the CPU libs; named by the entry's ``lib_params``
+PARAMS = "gpu/lib_params.bin"
 ELF_MAGIC = b"\x7fELF"
 EM_CUDA = 190
 _ELFOSABI_CUDA = (0x33, 0x41)   # the two OS/ABI bytes NVIDIA's cubins carry (old ABI, ABI version >= 8)

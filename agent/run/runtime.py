@@ -266,7 +266,7 @@ class HybridModule:
             path.write_bytes(bundle.library(entry["libs"][sm]))
             self.dev = self._tvm.cuda(0)
             self.vm = VirtualMachine(self._tvm.runtime.load_module(str(path)), [self.dev, self._tvm.cpu()])
-            self._params = self._lib_params(bundle)
+            self._params = self._lib_params(bundle, entry.get("lib_params") or [])
         except hmod.BundleError:
             raise
         except Exception as err:
@@ -292,10 +292,11 @@ class HybridModule:
             log.info("gpu: the TVM part runs on %s (%s)", self.gpu_found.device or "the GPU", self.gpu_found.why)
         self.reset_stats()
 
-    def _lib_params(self, bundle: hmod.Bundle) -> list:
-        """The main module's weights (format 4 ``lib_params``: one member for every target's lib),
-        turned once by ``main_transform_params`` into what ``main`` takes after its inputs."""
-        specs = self.manifest["targets"][self.target].get("lib_params")
+    def _lib_params(self, bundle: hmod.Bundle, specs: list | None = None) -> list:
+        """The main module's weights (format 4 ``lib_params``: one member for every target's lib;
+        ``specs``: the GPU part's own), turned once by ``main_transform_params`` into what ``main``
+        takes after its inputs."""
+        specs = self.manifest["targets"][self.target].get("lib_params") if specs is None else specs
         if not specs:
             return []
         try:

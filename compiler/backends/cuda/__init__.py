@@ -1,9 +1,11 @@
 """The TVM side for NVIDIA GPUs (a Jetson's, or a data-centre GPU for checks): cubins per SM.
 
-What runs where: the whole TVM side (everything the partitioner left to TVM) runs on the GPU; a
-delegated order (Arm NN, onnxruntime, the NPU) stays on the CPU, and its inputs and outputs cross
-between GPU and host memory at each call: that copy is the boundary's cost. The bundle keeps its CPU
-library beside the GPU ones, as the fallback an agent runs when the GPU cannot be used.
+What runs where: the GPU libraries are built from the model with no ACL region delegated (policy
+none: a Jetson's GPU outruns ACL on its CPU cores, so an ACL region there only adds two copies), so
+the whole model runs on the GPU except the onnxruntime orders (ops the device's TVM runtime lacks,
+compiler/hatch.py), whose inputs and outputs cross between GPU and host memory at each call: that
+copy is the boundary's cost. The bundle keeps its CPU library with its ACL orders beside the GPU
+ones, as the fallback an agent runs when the GPU cannot be used.
 
     build.py   the relax module -> one library per SM: TVM's CUDA pipeline (dlight's default GPU
                rules; MetaSchedule records where a tuning database is given), its kernels compiled

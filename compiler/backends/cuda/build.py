@@ -25,7 +25,7 @@ from tvm import relax
 
 from tandoor_contract import gpu as gpu_contract
 
-from ...errors import CompileError, InternalError
+from ...errors import CompileError
 
 #: what TVM's CUDA schedules may assume of every SM named here (Orin's sm_87, Hopper's sm_90)
 LIMITS = {"max_threads_per_block": 1024, "max_shared_memory_per_block": 49152, "thread_warp_size": 32}
@@ -68,8 +68,7 @@ def nvrtc(source: str, sm: str) -> bytes:
         return bytes(nvcc.compile_cuda(source, "cubin", arch=sm, compiler="nvrtc",
                                        options=[f"-I{home / 'include' / 'cccl'}"]))
     except Exception as err:
-        raise InternalError(f"internal error in stage build: NVRTC could not compile the {sm} kernels "
-                            f"({' '.join(str(err).split())[:300]})") from None
+        raise RuntimeError(f"NVRTC could not compile the {sm} kernels ({' '.join(str(err).split())[:300]})") from None
     finally:
         if old is None:
             os.environ.pop("CUDA_PATH", None)
@@ -164,8 +163,6 @@ def rewrite_imports(blob: bytes, sm: str) -> bytes:
             continue
         payload, at = _string(body, at)
         out.append(_w(_cuda_payload(payload, sm, compiled) if kind == b"cuda" else payload))
-    if not compiled and b"cuda" not in body:
-        raise ValueError("no CUDA module among the imports")
     data = b"".join(out)
     return struct.pack("<Q", len(data)) + data
 
@@ -176,12 +173,12 @@ def _packer(sm: str):
 
     def pack(mod, is_system_lib: bool, prefix: str, workspace_dir: str) -> str:
         if is_system_lib or prefix:
-            raise InternalError("internal error in stage build: a CUDA system library is not supported")
+            raise RuntimeError("a CUDA system library is not supported")
         blob = tvm.get_global_func("runtime.ModulePackImportsToTensor")(mod).numpy().tobytes()
         try:
             blob = rewrite_imports(blob, sm)
         except ValueError as err:
-            raise InternalError(f"internal error in stage build: the library's CUDA module ({err})") from None
+            raise RuntimeError(f"the library's CUDA module: {err}") from None
         name = tvm.get_global_func("runtime.ModuleImportsBlobName")()
         path = Path(workspace_dir) / "devc.c"
         rows = (",".join(str(b) for b in blob[i:i + 40]) for i in range(0, len(blob), 40))
@@ -220,20 +217,25 @@ def build_gpu(mod: tvm.IRModule, llvm: dict, cross_cc: str | None, sms: tuple[st
         fcompile = cc.cross_compiler(cross_cc, get_target_triple=lambda: triple) if cross_cc else None
         ex.export_library(str(path), fcompile=fcompile, fpack_imports=_packer(sm), options=LINK_OPTIONS)
         found = gpu_contract.cubins(path.read_bytes())
-        if not found or any(s != sm for s, _ in found):
-            raise InternalError(f"internal error in stage build: the {sm} library carries cubins for "
-                                f"{sorted({s for s, _ in found}) or 'nothing'}")
+        if not found:       # every op of the TVM part was delegated: no kernel for the GPU to run
+            return GpuBuild()
+        if any(s != sm for s, _ in found):
+            raise RuntimeError(f"the {sm} library carries cubins for {sorted({s for s, _ in found})}")
         out.libs[sm] = path
         out.cubin_bytes[sm] = sum(n for _, n in found)
     return out
 
 
 def bundle_part(mod: tvm.IRModule, target, provided: frozenset[str], tmp: Path, members: dict, packed: bool,
-                say=lambda s: None, database: Path | None = None) -> dict:
+                say=lambda s: None, database: Path | None = None) -> dict | None:
     """``target``'s GPU part (a targets.TargetPreset with ``gpu`` SMs): its libraries as bundle
-    members (packed when the CPU lib is) and the manifest target's ``gpu`` entry (contract/gpu.py)."""
+    members (packed when the CPU lib is) and the manifest target's ``gpu`` entry (contract/gpu.py);
+    None when the TVM part has no kernel (every op delegated)."""
     say(f"compiling the TVM part for {target.name}'s GPU ({', '.join(target.gpu)} cubins)")
     built = build_gpu(mod, target.llvm, target.cross_cc, target.gpu, provided, tmp, f"{target.name}.gpu", database)
+    if not built.libs:
+        say(f"no GPU part for {target.name}: every op of the model is delegated, the TVM part has no kernel")
+        return None
     libs = {}
     for sm, path in built.libs.items():
         name = gpu_contract.member(target.name, sm, packed)
