@@ -53,7 +53,7 @@
         ch = charts[c.title] = new uPlot({
           title: c.title, width: 420, height: 200,
           series: [{}].concat(c.keys.map((k, i) => ({label: data.labels[k], stroke: palette[i % palette.length], spanGaps: true}))),
-          axes: [{}, {size: 50}],
+          axes: [{}, {size: 64}],
         }, cols, div);
       } else {
         ch.setData(cols);
