@@ -6,9 +6,17 @@ exit 2) when the model cannot be made importable. ``STEPS`` runs in this order:
 
     sort_nodes                  nodes in topological order, stable (fp16 converters append their
                                 input Casts last; frontend runs it before onnx's checker too)
+    ir3_weights_not_inputs      IR-3 files whose initializers are not graph inputs (old Caffe/Chainer
+                                conversions; onnx's checker refuses them, onnxruntime runs them)
+                                read as IR 4 (frontend runs it before the checker too)
+    drop_trailing_empty_inputs  optional inputs left empty ("") at the end of a node's inputs
+                                dropped (onnxruntime's Squeeze fails on an empty axes)
     upgrade_old_opset           opsets < 7 have ops no onnxruntime runs (AveragePool-1,
-                                BatchNormalization-6, Gemm-6): onnx's version converter to 13
-                                (first: it needs IR 3's weights still listed as inputs)
+                                BatchNormalization-6, Gemm-6), and ops in their old attribute
+                                forms (Slice-1, Pad-2, Clip-6, Upsample, Resize-10, Split-2,
+                                Squeeze-1 ...: ATTRIBUTE_FORMS) TVM's importer misreads: onnx's
+                                version converter to 13 (first: it needs IR 3's weights still
+                                listed as inputs)
     initializers_out_of_inputs  IR-3/IR-4 files list every weight as a graph input too
                                 (onnx-simplifier and onnxruntime treat them as constants)
     constants_to_initializers   weights as Constant nodes (paddle2onnx) -> initializers, so that
@@ -143,6 +151,21 @@ def reads(node: onnx.NodeProto) -> list[str]:
     return [i for i in node.input if i] + sorted(_subgraph_reads(node) - set(node.input))
 
 
+def ir3_weights_not_inputs(model: onnx.ModelProto, ctx: Context) -> None:
+    """IR 3 requires every initializer to be listed as a graph input too; old Caffe/Chainer
+    conversions list none, onnx's checker refuses them ("X in initializer but not in graph
+    input"), and onnxruntime treats them as constants, as IR 4 on says: the file is marked IR 4,
+    which is what it means (frontend runs this before onnx's checker)."""
+    if model.ir_version >= 4:
+        return
+    listed = {i.name for i in model.graph.input}
+    n = sum(1 for t in model.graph.initializer if t.name not in listed)
+    if n:
+        model.ir_version = 4
+        ctx.notes.append(f"{n} initializer(s) of an IR-3 file are not listed as graph inputs (IR 3 requires it; "
+                         "onnxruntime reads them as constants): the file is read as IR 4")
+
+
 def initializers_out_of_inputs(model: onnx.ModelProto, ctx: Context) -> None:
     inits = _inits(model)
     keep = [i for i in model.graph.input if i.name not in inits]
@@ -155,10 +178,59 @@ def initializers_out_of_inputs(model: onnx.ModelProto, ctx: Context) -> None:
                          "treated as constants")
 
 
+# Ops whose attributes became inputs (or whose op was replaced) at the opset given: TVM 0.27's
+# importer implements only the newer form of each (its Slice has only _impl_v13, which reads
+# starts/ends from inputs an opset-9 Slice does not have: "Cannot cast NoneType to list of
+# Expr"; its Resize only _impl_v18, which reads Resize-10's scales as roi), and picks that
+# form for an older model too. A model below the opset for one of its ops is upgraded.
+ATTRIBUTE_FORMS: dict[str, int] = {
+    "Slice": 10,        # starts/ends/axes attributes -> inputs (steps added)
+    "Pad": 11,          # pads/value attributes -> inputs
+    "Clip": 11,         # min/max attributes -> optional inputs
+    "Upsample": 10,     # deprecated: Resize (its scales an input from 9)
+    "Resize": 11,       # Resize-10 has no roi input: scales is its second
+    "TopK": 10,         # k attribute -> input
+    "Split": 13,        # split attribute -> input
+    "Squeeze": 13,      # axes attribute -> input
+    "Unsqueeze": 13,
+    "ReduceSum": 13,    # axes attribute -> input (the other ReduceX at 18; TVM reads both forms)
+}
+
+
+def old_forms(model: onnx.ModelProto) -> list[str]:
+    """The ops of ``model`` written in an attribute form older than ATTRIBUTE_FORMS' opset."""
+    v = opset(model)
+    return sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")
+                   and v < ATTRIBUTE_FORMS.get(n.op_type, 0)})
+
+
+def drop_trailing_empty_inputs(model: onnx.ModelProto, ctx: Context) -> None:
+    """Optional inputs left empty ("") at the end of a node's inputs removed: the spec reads both
+    the same, but onnxruntime's Squeeze/Unsqueeze kernels fail on an empty axes ("Axes input is
+    null") and converters treat the two forms differently."""
+    n = 0
+    for node in model.graph.node:
+        k = len(node.input)
+        while node.input and not node.input[-1]:
+            del node.input[-1]
+        n += k != len(node.input)
+    if n:
+        ctx.notes.append(f"{n} node(s) ended in empty optional inputs; dropped")
+
+
 def upgrade_old_opset(model: onnx.ModelProto, ctx: Context) -> None:
+    """Opsets < 7 (ops no onnxruntime runs) and models with an op in an old attribute form
+    (ATTRIBUTE_FORMS) upgraded to UPGRADE_TO by onnx's version converter."""
     if opset(model) < MIN_OPSET:
         ctx.notes.append(upgrade_opset(model, UPGRADE_TO, ctx.path.name,
                                        f"is older than any onnxruntime runs; re-export the model with opset >= {MIN_OPSET}"))
+        return
+    ops = old_forms(model)
+    if ops:
+        ctx.notes.append(upgrade_opset(model, UPGRADE_TO, ctx.path.name,
+                                       f"writes {', '.join(ops)} in an attribute form TVM's importer does not read; "
+                                       f"re-export the model with opset >= {UPGRADE_TO}")
+                         + f" (old attribute forms of {', '.join(ops)})")
 
 
 def upgrade_opset(model: onnx.ModelProto, to: int, name: str, why: str) -> str:
@@ -607,7 +679,7 @@ class StepBrokeModel(Exception):
     (an internal error, exit 3, naming the step), not the exporter's."""
 
 
-def _loads(model: onnx.ModelProto | Path) -> str | None:
+def loads(model: onnx.ModelProto | Path) -> str | None:
     """None when onnxruntime makes a session of ``model``, else why not (one line)."""
     import onnxruntime as ort
 
@@ -627,7 +699,7 @@ def _blame(ctx: Context, failing: str, err: Exception) -> None:
     first one after which it refuses; otherwise return (the file's own problem)."""
     import onnxruntime as ort
 
-    if _loads(ctx.path) is not None:
+    if loads(ctx.path) is not None:
         return
     model, replay = onnx.load(str(ctx.path)), Context(ctx.path, dict(ctx.pins))
     culprit, why = failing, one_line(err)
@@ -638,7 +710,7 @@ def _blame(ctx: Context, failing: str, err: Exception) -> None:
             _run_step(step, model, replay)
         except CompileError:
             return
-        problem = _loads(model)
+        problem = loads(model)
         if problem is not None:
             culprit, why = step.name, problem
             break
@@ -653,7 +725,9 @@ def one_line(err: Exception) -> str:
 
 STEPS: list[Step] = [
     Step("sort_nodes", sort_nodes, "nodes in topological order (stable)"),
-    Step("upgrade_old_opset", upgrade_old_opset, f"opset < {MIN_OPSET} upgraded to {UPGRADE_TO}"),
+    Step("ir3_weights_not_inputs", ir3_weights_not_inputs, "IR-3 initializers not listed as inputs: read as IR 4"),
+    Step("drop_trailing_empty_inputs", drop_trailing_empty_inputs, "trailing empty optional inputs dropped"),
+    Step("upgrade_old_opset", upgrade_old_opset, f"opset < {MIN_OPSET} or old attribute forms upgraded to {UPGRADE_TO}"),
     Step("initializers_out_of_inputs", initializers_out_of_inputs, "weights listed as graph inputs are constants"),
     Step("constants_to_initializers", constants_to_initializers, "Constant nodes become initializers"),
     Step("refuse_training_only_ops", refuse_training_only_ops, "training-mode BatchNormalization refused"),
@@ -666,6 +740,10 @@ STEPS: list[Step] = [
     Step("fp16_to_fp32", fp16_to_fp32, "fp16 weights and Cast islands computed in fp32"),
     Step("fold_with_onnxruntime", fold_with_onnxruntime, "onnxruntime's basic-level folding"),
 ]
+
+
+# run by frontend before onnx's checker, which refuses what they fix (and again as steps, a no-op then)
+BEFORE_CHECK: tuple[Callable[[onnx.ModelProto, Context], None], ...] = (sort_nodes, ir3_weights_not_inputs)
 
 
 def normalise(model: onnx.ModelProto, ctx: Context, *, until: str | None = None) -> onnx.ModelProto:

@@ -72,6 +72,35 @@ def _opset6(opset):
     return at(6, is_test=1), at(9)
 
 
+def _old_forms(opset):
+    """The attribute forms TVM's importer misreads (normalise.ATTRIBUTE_FORMS), at the oldest opset
+    onnxruntime runs them in: Slice-1, Pad-2, Clip-6, Upsample (scales an attribute before 9),
+    ReduceX axes, Split-2, Squeeze-1/Unsqueeze-1."""
+    up = ([N("Upsample", ["c"], ["u"], scales=[1.0, 1.0, 2.0, 2.0])] if opset < 9 else
+          [N("Upsample", ["c", "sc"], ["u"])] if opset < 10 else [N("Resize", ["c", "sc"], ["u"])])
+    sl = (N("Slice", ["x"], ["s"], starts=[1, 2], ends=[7, 1000], axes=[2, 3]) if opset < 10 else
+          N("Slice", ["x", "st", "en", "ax"], ["s"]))       # Slice-10 takes inputs; Pad, Clip still attributes
+    nodes = [sl,
+             N("Pad", ["s"], ["p"], pads=[0, 0, 1, 2, 0, 0, 2, 1], value=0.5),
+             N("Clip", ["p"], ["c"], min=-0.5, max=0.8), *up,
+             N("ReduceMean", ["u"], ["r"], axes=[3]), N("Split", ["r"], ["a", "b"], axis=1, split=[1, 3]),
+             N("Squeeze", ["a"], ["sq"], axes=[1]), N("Unsqueeze", ["sq"], ["us"], axes=[1]),
+             N("ReduceSum", ["b"], ["rs"], axes=[1]), N("Concat", ["us", "rs"], ["y"], axis=1)]
+    return _model(nodes, {"x": [1, 4, 8, 8]}, {"y": [1, 2, 18, 1]},
+                  {"sc": np.array([1, 1, 2, 2], np.float32), "st": np.array([1, 2]), "en": np.array([7, 1000]),
+                   "ax": np.array([2, 3])} if opset >= 9 else {}, opset=opset)
+
+
+def _empty_optional(opset):
+    """Optional inputs left empty: a Clip without its min, a Squeeze with an empty axes (which
+    onnxruntime's kernel refuses: the reference leaves it out)."""
+    def at(axes):
+        return _model([N("Clip", ["x", "", "hi"], ["c"]), N("ReduceMean", ["c"], ["r"], axes=[1]),
+                       N("Squeeze", ["r", *axes], ["y"])],
+                      {"x": [1, 3, 4, 4]}, {"y": [4, 4]}, {"hi": np.array(0.3, np.float32)}, opset=opset)
+    return at([""]), at([])
+
+
 def _constants(opset):
     m = _conv_relu(opset)
     w = m.graph.initializer[0]
@@ -147,7 +176,9 @@ def _fp16(opset):
 
 TRIGGERS = {   # step -> [(trait, model(opset), opsets, --input pins)]
     "sort_nodes": [("unsorted", _unsorted, OPSETS, {})],
-    "upgrade_old_opset": [("opset6", _opset6, (6,), {})],
+    "ir3_weights_not_inputs": [("ir3 weights not inputs", lambda o: _conv_relu(o, ir=3), (7, 8), {})],
+    "drop_trailing_empty_inputs": [("empty optional inputs", _empty_optional, (13, 17), {})],
+    "upgrade_old_opset": [("opset6", _opset6, (6,), {}), ("old attribute forms", _old_forms, (7, 9, 10), {})],
     "initializers_out_of_inputs": [("ir4", lambda o: _conv_relu(o, ir=4, inits_as_inputs=True), (9, 11), {})],
     "constants_to_initializers": [("constant weights", _constants, OPSETS, {})],
     "refuse_training_only_ops": [],         # it refuses or leaves the model alone: test below
@@ -195,7 +226,9 @@ def test_each_step_keeps_the_model_valid_for_its_opset_and_its_numbers(tmp_path,
         next(s for s in normalise.STEPS if s.name == name).run(model, ctx)
     assert model.SerializeToString() != was, f"{name} did nothing to the {trait} model"
     onnx.checker.check_model(model, full_check=True)
-    assert normalise.opset(model) == (13 if opset < 7 else opset)
+    upgraded = opset < 7 or (normalise.STEPS.index(next(s for s in normalise.STEPS if s.name == name))
+                             >= [s.name for s in normalise.STEPS].index("upgrade_old_opset") and normalise.old_forms(original))
+    assert normalise.opset(model) == (13 if upgraded else opset)
 
     ins = [i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
     feeds = {i.name: RNG.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
