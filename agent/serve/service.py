@@ -40,6 +40,7 @@ from typing import Any
 import click
 
 from .. import failpoints
+from . import commands
 from . import config as config_mod
 from .capture import Capture
 from .config import Config, ConfigError
@@ -228,57 +229,70 @@ class Service:
 
     # ---------------------------------------------------------------------------- commands
     def _handle(self, req) -> None:
+        """Run a command from commands.COMMANDS and answer it (now, or later for capture and
+        rollback); any refusal is an ``ok: false`` answer with one line."""
         cmd, args = req.cmd, req.args
         try:
-            if cmd == "ping":
-                result = {"pong": True, "state": self.state, "uptime_s": round(time.monotonic() - self.t_start, 1),
-                          "frames": self.frames}
-            elif cmd == "get-config":
-                result = self.cfg.as_dict(redact=True)
-            elif cmd == "set-config":
-                if not args:
-                    raise ConfigError(f"set-config needs args {{key: value}}; safe keys: "
-                                      f"{', '.join(config_mod.SAFE_KEYS)}")
-                result = self.cfg.set_safe_many(args)  # all or nothing
-                if "top_k" in result and self.model is not None:
-                    self.model.set_top_k(result["top_k"])
-                if "telemetry_period_s" in result:
-                    self._next_tel = min(self._next_tel, time.monotonic() + result["telemetry_period_s"])
-            elif cmd == "reload":
-                result = self._reload()
-            elif cmd == "snapshot":
-                result = self.snapshots.send() if self.snapshots is not None else None
-                if result is None:
-                    raise ServiceError("no snapshot: no frame processed yet, or the broker is not connected")
-                result["topic"] = self.link.topic["snapshot"]
-            elif cmd == "capture":
-                if self.capture is not None:
-                    raise ServiceError(f"busy: capture {self.capture.id} is running ({len(self.capture.files)} of "
-                                       f"{self.capture.frames} frames); ask again when it has answered")
-                root = Path(self.cfg["capture_dir"] or Path(self.cfg["slot_dir"]) / "captures")
-                self.capture = Capture.start(root, args, req)
-                log.info("capture %s: saving %d frame(s) to %s", self.capture.id, self.capture.frames, self.capture.root)
-                return   # answered when the frames are written (_end_capture)
-            elif cmd in ("rollback", "update-status"):
-                if self.updater is None or self.updater.store is None:
-                    raise ConfigError(f"{cmd} needs slot_dir (this agent serves an explicit bundle)")
-                if cmd == "update-status":
-                    result = {"busy": self.updater.busy, "slots": self.updater.store.status(),
-                              "counters": dict(self.updater.counters), "deadlines": self.updater.deadlines.status(),
-                              "keyring": self.updater.keys.status(), "recovered": self.updater.recovered()}
-                else:
-                    # off the loop: the new model is built in the background and swapped in
-                    threading.Thread(target=self._rollback_cmd, args=(req, args), daemon=True).start()
-                    return
-            else:
-                raise ConfigError(f"unknown command {cmd!r}; commands: ping, get-config, set-config, reload, "
-                                  f"rollback, update-status, snapshot, capture")
+            spec = commands.COMMANDS.get(cmd)
+            if spec is None:
+                raise ConfigError(commands.unknown(cmd))
+            if spec.needs_slots and (self.updater is None or self.updater.store is None):
+                raise ConfigError(f"{cmd} needs slot_dir (this agent serves an explicit bundle)")
+            result = getattr(self, spec.handler)(req, args)
+            if result is commands.ANSWERED_LATER:
+                return
         except Exception as err:
             msg = " ".join(str(err).split()) or type(err).__name__
             log.warning("command %s refused: %s", cmd, msg)
             self.link.respond(req, ok=False, error=msg)
             return
         self.link.respond(req, ok=True, result=result)
+
+    def _cmd_ping(self, req, args) -> dict:
+        return {"pong": True, "state": self.state, "uptime_s": round(time.monotonic() - self.t_start, 1),
+                "frames": self.frames}
+
+    def _cmd_get_config(self, req, args) -> dict:
+        return self.cfg.as_dict(redact=True)
+
+    def _cmd_set_config(self, req, args) -> dict:
+        if not args:
+            raise ConfigError(f"set-config needs args {{key: value}}; safe keys: {', '.join(config_mod.SAFE_KEYS)}")
+        result = self.cfg.set_safe_many(args)  # all or nothing
+        if "top_k" in result and self.model is not None:
+            self.model.set_top_k(result["top_k"])
+        if "telemetry_period_s" in result:
+            self._next_tel = min(self._next_tel, time.monotonic() + result["telemetry_period_s"])
+        return result
+
+    def _cmd_reload(self, req, args) -> dict:
+        return self._reload()
+
+    def _cmd_snapshot(self, req, args) -> dict:
+        result = self.snapshots.send() if self.snapshots is not None else None
+        if result is None:
+            raise ServiceError("no snapshot: no frame processed yet, or the broker is not connected")
+        result["topic"] = self.link.topic["snapshot"]
+        return result
+
+    def _cmd_capture(self, req, args):
+        if self.capture is not None:
+            raise ServiceError(f"busy: capture {self.capture.id} is running ({len(self.capture.files)} of "
+                               f"{self.capture.frames} frames); ask again when it has answered")
+        root = Path(self.cfg["capture_dir"] or Path(self.cfg["slot_dir"]) / "captures")
+        self.capture = Capture.start(root, args, req)
+        log.info("capture %s: saving %d frame(s) to %s", self.capture.id, self.capture.frames, self.capture.root)
+        return commands.ANSWERED_LATER   # answered when the frames are written (_end_capture)
+
+    def _cmd_update_status(self, req, args) -> dict:
+        return {"busy": self.updater.busy, "slots": self.updater.store.status(),
+                "counters": dict(self.updater.counters), "deadlines": self.updater.deadlines.status(),
+                "keyring": self.updater.keys.status(), "recovered": self.updater.recovered()}
+
+    def _cmd_rollback(self, req, args):
+        # off the loop: the new model is built in the background and swapped in
+        threading.Thread(target=self._rollback_cmd, args=(req, args), daemon=True).start()
+        return commands.ANSWERED_LATER
 
     def _end_capture(self, why: str | None = None) -> None:
         """Answer the capture request with what it saved (an error when nothing was)."""

@@ -229,3 +229,20 @@ def test_agent_check_accepts_a_good_config(tmp_path):
     assert res.returncode == 0 and res.stdout.strip() == f"{good}: ok", res.stderr
     res = _agent("--config", str(tmp_path / "missing.toml"))
     assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def test_every_command_in_the_table_is_documented_and_dispatched():
+    """commands.COMMANDS is the agent's command list: each has its row in docs/protocol.md's
+    command table and its handler on the service; the table has no row the agent lacks."""
+    import re
+
+    from tandoor_agent.serve import commands
+    from tandoor_agent.serve.service import Service
+
+    doc = PROTOCOL.read_text()
+    table = doc[doc.index("| cmd | args | result |"):].split("\n\n", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z-]+)` \| ", table, re.M))
+    assert documented == set(commands.COMMANDS), documented ^ set(commands.COMMANDS)
+    for c in commands.COMMANDS.values():
+        assert callable(getattr(Service, c.handler, None)), c
+    assert commands.unknown("format-disk").startswith("unknown command 'format-disk'; commands: ping, ")
