@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from support.agents import START_TIMEOUT, AgentProcess, agent_config, make_bundles, seed_slots
-from support.cli import ROOT
+from support.cli import BIN, ROOT
 from support.console import ConsoleProcess
 from support.mosquitto import Broker, Recorder, available
 
@@ -172,6 +172,16 @@ def test_the_console_in_a_real_browser(tmp_path, B):
             wait.until(lambda d: d.find_element(By.ID, "job-state").text == "done")
             assert "1 committed" in driver.find_element(By.CSS_SELECTOR, "table.waves").text  # the canary wave
             driver.save_screenshot(str(shots / "console-deployment.png"))
+            # a deploy from the CLI with --db: recorded in the same database, listed on the page
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v3"]), "--devices", ",".join(SIMS),
+                                "--broker", f"mqtt://127.0.0.1:{b.port}", "--db", console.db, "--timeout", "120",
+                                "--json"], capture_output=True, text=True, timeout=240)
+            assert r.returncode == 0, r.stderr[-2000:]
+            cli_job = json.loads(r.stdout)["job_id"]
+            driver.get(f"{console.url}/deployments")
+            wait.until(lambda d: cli_job in d.find_element(By.CSS_SELECTOR, "table.jobs").text)
+            jobs_text = driver.find_element(By.CSS_SELECTOR, "table.jobs").text
+            assert f"{cli_job} " in jobs_text and "the CLI" in jobs_text and "3 committed" in jobs_text, jobs_text
             browser_s = time.monotonic() - t_browser
             print(f"\nbrowser checks {browser_s:.1f} s (offline shown {offline_s:.2f} s after the kill), "
                   f"whole test {time.monotonic() - t_start:.1f} s; screenshots in {shots}")
