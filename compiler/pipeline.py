@@ -308,7 +308,7 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
         # a GPU target's library takes the whole TVM side, ACL's regions too (policy none): a Jetson's
         # GPU outruns ACL on its CPU cores; only the onnxruntime orders stay (compiler/backends/cuda)
         gpu_mod = _partition(mod, loaded, opts, tgts, lambda s: None, policy="none").result.mod \
-            if any(t.gpu for t in tgts) else None
+            if any(t.gpu for t in tgts) and opts.policy != "none" else None
         target_entries = _build(plan, fallbacks, tgts, members, say, gpu_mod)
     say("recording golden input/output pairs with onnxruntime")
     with stage("golden", timings):
@@ -640,7 +640,7 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
 
 def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None) -> dict:
     """The TVM side and every fallback, per target; libs become members. ``gpu_mod``: the module a
-    GPU target's libraries are built from (else the plan's)."""
+    GPU target's libraries are built from (else the CPU libs' lowered module and lib_params)."""
     lowered, values = codegen.lift_main_weights(codegen.lower_regions(plan.result.mod))
     lib_params = _params_member(values, hmod.LIB_PARAMS, members)
     provided = frozenset([p.symbol for p in plan.kept] + [g.symbol for g in plan.hatch if not g.tail])
@@ -664,11 +664,13 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None) 
 
                 from .backends import cuda
 
-                gpu_side = gpu_side or codegen.lift_main_weights(codegen.lower_regions(
-                    plan.result.mod if gpu_mod is None else gpu_mod))
+                gpu_side = gpu_side or ((lowered, None) if gpu_mod is None else
+                                        codegen.lift_main_weights(codegen.lower_regions(gpu_mod)))
                 on_gpu = frozenset(g.symbol for g in plan.hatch if not g.tail) if gpu_mod is not None else provided
                 if part := cuda.bundle_part(gpu_side[0], t, on_gpu, tmpd, members, member.endswith(hmod.PACKED), say):
-                    if gpu_params := (_params_member(gpu_side[1], gpu_contract.PARAMS, members)):
+                    gpu_params = lib_params if gpu_side[1] is None else \
+                        _params_member(gpu_side[1], gpu_contract.PARAMS, members)
+                    if gpu_params:
                         part["lib_params"] = gpu_params
                     entry["gpu"] = part
             if merged is not None:
