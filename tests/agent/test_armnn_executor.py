@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tandoor_agent.run.executors import armnn as ax
+from tandoor_agent.run.executors import armnn_api  # the bindings' table (APIS) and the ABI probe
 
 _OK, _WHY = ax.available()
 if not _OK and _WHY.startswith("pyarmnn is not importable"):
@@ -161,14 +162,14 @@ def test_backend_actually_used_is_reported():
 def test_the_api_is_chosen_by_the_abi_found():
     """This machine's libarmnn ABI has an entry in the table of what differs (20.08: 22, 23.08: 33),
     and available() names the release it speaks."""
-    abi = ax._abi()
-    assert abi in ax.APIS, f"Arm NN ABI {abi} here, the executor speaks {sorted(ax.APIS)}"
-    assert ax.api() is ax.APIS[abi]
-    assert f"Arm NN {ax.APIS[abi].release}" in ax.available()[1]
+    abi = armnn_api._abi()
+    assert abi in armnn_api.APIS, f"Arm NN ABI {abi} here, the executor speaks {sorted(armnn_api.APIS)}"
+    assert ax.api() is armnn_api.APIS[abi]
+    assert f"Arm NN {armnn_api.APIS[abi].release}" in ax.available()[1]
 
 
 def test_an_unknown_abi_is_refused_with_what_to_install(monkeypatch):
-    monkeypatch.setattr(ax, "_abi", lambda: "29")
+    monkeypatch.setattr(armnn_api, "_abi", lambda: "29")
     o = Order()
     o.op("activation", [o.input("x", [1, 2, 2, 3])], "y", [1, 2, 2, 3], {"activation": {"kind": "relu"}})
     order, blob = o.build(["y"])
