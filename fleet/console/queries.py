@@ -32,6 +32,7 @@ COLUMNS: list[tuple[str, str, str]] = [
 ]
 SORTABLE = {k: expr for k, _, expr in COLUMNS}
 PAGE_SIZE = 50
+PAGE_MAX = 1000       # ?n= rows a page, at most
 FAILED_DEVICE_STATES = ("error", "camera-lost")
 FAILED_JOB_STATES = ("failed", "rolled_back")
 
@@ -78,6 +79,7 @@ class Table:
     sort: str
     desc: bool
     q: str
+    size: int = PAGE_SIZE
 
 
 def devices_table(store: Store, q: str = "", sort: str = "device_id", desc: bool = False, page: int = 1,
@@ -96,7 +98,7 @@ def devices_table(store: Store, q: str = "", sort: str = "device_id", desc: bool
                        f"device_id LIMIT {int(page_size)} OFFSET {int((page - 1) * page_size)}", args)
     for r in rows:
         r["category"] = category(r)
-    return Table(rows, total, page, pages, sort, desc, q)
+    return Table(rows, total, page, pages, sort, desc, q, page_size)
 
 
 def fleet_counts(store: Store) -> dict[str, Any]:

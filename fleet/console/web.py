@@ -190,10 +190,11 @@ class Console:
         g = request.query
         try:
             page = int(g.get("page", "1"))
+            size = min(max(int(g.get("n", Q.PAGE_SIZE)), 10), Q.PAGE_MAX)
         except ValueError:
-            page = 1
+            page, size = 1, Q.PAGE_SIZE
         return {"q": g.get("q", "")[:200], "sort": g.get("sort", "device_id"), "desc": g.get("desc") == "1",
-                "page": page}
+                "page": page, "page_size": size}
 
     async def _fleet_ctx(self, request) -> dict:
         return {"table": await self._q(Q.devices_table, **self._table_args(request)),
