@@ -92,10 +92,18 @@ def gpu_pipeline(target: tvm.target.Target, database: Path | None = None, observ
     """relax's CUDA pipeline (dlight's default GPU rules) with MetaSchedule's records applied first
     where ``database`` (a tuning work dir for this GPU) is given; ``observe``: a pass run last."""
     from tvm.relax.backend.cuda import pipeline as cuda
+    from tvm.s_tir import dlight as dl
 
-    legalize = cuda.legalize_passes(target)
+    from ...schedule import _Guarded
+
+    # relax's CUDA legalisation ends in dlight's default rules; each guarded here, so that a rule
+    # that raises is 'not applicable' and the next one schedules the function (TVM 0.27's GEMV
+    # asserts a constant loop extent: yolov8n's DFL head raised)
+    legalize = cuda.legalize_passes(target)[:-1]
     if database is not None:     # tuned functions first; dlight then schedules only the rest
-        legalize = legalize[:-1] + [relax.transform.MetaScheduleApplyDatabase(str(database))] + legalize[-1:]
+        legalize.append(relax.transform.MetaScheduleApplyDatabase(str(database)))
+    legalize.append(dl.ApplyDefaultSchedule(*[_Guarded(r) for r in (
+        dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())]))
 
     @tvm.transform.module_pass(opt_level=0, name="TandoorCUDAPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
