@@ -53,12 +53,13 @@ MANIFEST_ONLY = ("key", "version", "build", "check", "cache",
                  # pipeline._media: what frames and results are, not what is compiled
                  "labels", "mean", "std", "layout", "bgr", "resize", "letterbox_align", "pad_value", "pixel_range",
                  "decoder", "decoder_options")
-#: option fields that name files: keyed by their content
+#: option fields that name files: keyed by their content; directories: by their files' content
 FILE_OPTIONS = ("profile",)
+DIR_OPTIONS = ("gpu_tuning",)
 # options that are lists of lists of arrays (the NPU's calibration inputs): keyed by their bytes
 ARRAY_OPTIONS = ("npu_samples",)
 PACKAGES = ("tandoor_compiler", "tandoor_contract", "tandoor_agent")
-LIBRARIES = ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime", "numpy")
+LIBRARIES = ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime", "numpy", "nvidia-cuda-nvrtc")   # NVRTC: the cubins
 DEFAULT_MB = 4096
 OFF = ("0", "off", "no", "false")
 
@@ -174,6 +175,8 @@ def key(model: str | Path, opts: Any, targets: list[str]) -> str:
         v = getattr(opts, f.name)
         if f.name in FILE_OPTIONS and v is not None:
             v = durable.sha256_file(Path(v))
+        if f.name in DIR_OPTIONS and v is not None:
+            v = {str(p.relative_to(v)): durable.sha256_file(p) for p in sorted(Path(v).rglob("*")) if p.is_file()}
         if f.name in ARRAY_OPTIONS and v is not None:
             v = _arrays_digest(v)
         fields[f.name] = v

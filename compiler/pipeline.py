@@ -88,6 +88,7 @@ class Options:
     npu_dtype: str = "int8"
     npu_samples: list | None = None
     npu_judged: bool = False      # a --max-drop judges the NPU on real frames after: the orders' bound only warns
+    gpu_tuning: Path | None = None  # a MetaSchedule database for the GPU part (compiler/backends/cuda)
 
 
 def _tandoor_version() -> str:
@@ -229,6 +230,8 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
         if path is not None and not Path(path).is_file():
             raise CompileError(f"{label} {path}: no such file")
 
+    if opts.gpu_tuning is not None and not any(t.gpu for t in tgts):
+        raise CompileError("--gpu-tuning is for a GPU part: give --target jetson-orin or cuda-sm90")
     if opts.npu:
         if not any(t.name == "rk3588" for t in tgts):
             raise CompileError("--npu is the RK3588's NPU: give --target rk3588")
@@ -309,7 +312,7 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
         # GPU outruns ACL on its CPU cores; only the onnxruntime orders stay (compiler/backends/cuda)
         gpu_mod = _partition(mod, loaded, opts, tgts, lambda s: None, policy="none").result.mod \
             if any(t.gpu for t in tgts) and opts.policy != "none" else None
-        target_entries = _build(plan, fallbacks, tgts, members, say, gpu_mod)
+        target_entries = _build(plan, fallbacks, tgts, members, say, gpu_mod, opts.gpu_tuning)
     say("recording golden input/output pairs with onnxruntime")
     with stage("golden", timings):
         # an NPU bundle's pairs are held-out frames: INT8 is calibrated for frames, not noise
@@ -638,7 +641,7 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
     return probe.pack(outs, drift)
 
 
-def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None) -> dict:
+def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None, gpu_tuning=None) -> dict:
     """The TVM side and every fallback, per target; libs become members. ``gpu_mod``: the module a
     GPU target's libraries are built from (else the CPU libs' lowered module and lib_params)."""
     lowered, values = codegen.lift_main_weights(codegen.lower_regions(plan.result.mod))
@@ -667,7 +670,8 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None) 
                 gpu_side = gpu_side or ((lowered, None) if gpu_mod is None else
                                         codegen.lift_main_weights(codegen.lower_regions(gpu_mod)))
                 on_gpu = frozenset(g.symbol for g in plan.hatch if not g.tail) if gpu_mod is not None else provided
-                if part := cuda.bundle_part(gpu_side[0], t, on_gpu, tmpd, members, member.endswith(hmod.PACKED), say):
+                if part := cuda.bundle_part(gpu_side[0], t, on_gpu, tmpd, members, member.endswith(hmod.PACKED), say,
+                                            gpu_tuning):
                     gpu_params = lib_params if gpu_side[1] is None else \
                         _params_member(gpu_side[1], gpu_contract.PARAMS, members)
                     if gpu_params:

@@ -159,7 +159,12 @@ def main() -> None:
 @click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224",
               help="Pin an input's shape (repeatable). Default: the model's static shape.")
 @click.option("--target", "targets", multiple=True, metavar="NAME",
-              help="host, aarch64, rk3588, jetson-orin, rpi5 (repeatable). host is always included.")
+              help="host, aarch64, rk3588, jetson-orin, rpi5, cuda-sm90 (repeatable). host is always included. "
+                   "jetson-orin and cuda-sm90 (an x86_64 machine with an H100, for GPU checks) also get a GPU part: "
+                   "the model for CUDA, sm_87 / sm_90 cubins (docs/gpu.md).")
+@click.option("--gpu-tuning", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="A MetaSchedule tuning database (work dir) for the target's GPU: its records schedule the GPU "
+                   "part's functions they cover, dlight's default rules the rest (docs/gpu.md).")
 @click.option("--key", type=click.Path(dir_okay=False, path_type=Path), help="Ed25519 private key (tandoor keygen) to sign with.")
 @click.option("--labels", type=click.Path(dir_okay=False, path_type=Path), help="Class labels, one per line.")
 @click.option("--mean", help="Per-channel mean, e.g. 0.485,0.456,0.406 (0..1 units) or 127,127,127 (pixel units).")
@@ -226,7 +231,7 @@ def main() -> None:
 def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, policy, profile, name, version,
             build, measure, no_check, resize, letterbox_align, pad_value, pixel_range, decoder, conf, iou, max_det,
             decoder_opts, int8, npu, npu_dtype, calibration, calib_count, keep_fp32, all_int8, validation, max_drop,
-            no_cache, timings, quiet):
+            no_cache, timings, quiet, gpu_tuning=None):
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
@@ -256,7 +261,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
                    decoder=decoder,
                    decoder_options={**_decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det},
                    cache=not no_cache, npu=npu, npu_dtype=npu_dtype, npu_samples=npu_samples,
-                   npu_judged=npu and max_drop is not None)
+                   npu_judged=npu and max_drop is not None, gpu_tuning=gpu_tuning)
     console = Console(stderr=True, quiet=quiet, log_path=False)
     times: dict[str, float] = {}
     source = model     # the fp32 model: what --max-drop judges the INT8 bundle against

@@ -99,15 +99,14 @@ def gpu_pipeline(target: tvm.target.Target, database: Path | None = None, observ
     # relax's CUDA legalisation ends in dlight's default rules; each guarded here, so that a rule
     # that raises is 'not applicable' and the next one schedules the function (TVM 0.27's GEMV
     # asserts a constant loop extent: yolov8n's DFL head raised)
-    legalize = cuda.legalize_passes(target)[:-1]
-    if database is not None:     # tuned functions first; dlight then schedules only the rest
-        legalize.append(relax.transform.MetaScheduleApplyDatabase(str(database)))
-    legalize.append(dl.ApplyDefaultSchedule(*[_Guarded(r) for r in (
-        dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())]))
-
     @tvm.transform.module_pass(opt_level=0, name="TandoorCUDAPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        with target:
+        with target:     # MetaScheduleApplyDatabase reads the target when it is made
+            legalize = cuda.legalize_passes(target)[:-1]
+            if database is not None:     # tuned functions first; dlight then schedules only the rest
+                legalize.append(relax.transform.MetaScheduleApplyDatabase(str(database)))
+            legalize.append(dl.ApplyDefaultSchedule(*[_Guarded(r) for r in (
+                dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())]))
             seq = tvm.transform.Sequential(
                 [relax.transform.CanonicalizeBindings(), relax.transform.FoldConstant()]
                 + cuda.library_dispatch_passes(target) + legalize
