@@ -672,8 +672,8 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None, 
                 on_gpu = frozenset(g.symbol for g in plan.hatch if not g.tail) if gpu_mod is not None else provided
                 if part := cuda.bundle_part(gpu_side[0], t, on_gpu, tmpd, members, member.endswith(hmod.PACKED), say,
                                             gpu_tuning):
-                    gpu_params = lib_params if gpu_side[1] is None else \
-                        _params_member(gpu_side[1], gpu_contract.PARAMS, members)
+                    gpu_params = lib_params if gpu_side[1] is None else cuda.shared_params(
+                        gpu_side[1], members, lib_params, lambda vs: _params_member(vs, gpu_contract.PARAMS, members))
                     if gpu_params:
                         part["lib_params"] = gpu_params
                     entry["gpu"] = part

@@ -250,7 +250,9 @@ def run_bundles(staged: Path, runs: int) -> list[dict]:
                                                   agreement.path_of(module.describe()), ties)
                             worst = max(worst, v.max_abs_err)
                             misses += [v.reason] if not v.ok else []
-                        row.update(max_abs_err=worst, ok=not misses and row["gpu_said"].startswith("cuda "),
+                        if not (row["gpu_said"] or "").startswith("cuda "):
+                            misses.insert(0, "its GPU part did not run")
+                        row.update(max_abs_err=worst, ok=not misses,
                                    misses=misses, atol=agreement.tolerance(b.manifest.get("tolerance"), "", "").atol)
                     x = cases[-1][0]
                     row[f"{where}_ms"] = _median_ms(lambda: module.run(x), runs if where == "gpu" else max(3, runs // 10))
@@ -318,8 +320,9 @@ def table(rows: list[dict], machine: str, torchvision_note: str) -> str:
     for r in rows:
         verdict = ("yes" if r["ok"] else "NO: " + "; ".join(r["misses"])[:120]) + f" ({r['max_abs_err']:.2g} / {r['atol']:.2g})"
         t = r.get("torch_ms")
+        eager = f"{t:.2f}" if t is not None else f"- ({r['torch_note']})" if r.get("torch_note") else "-"
         lines.append(f"| {r['name']} | {r['input']} | {r['gpu_said']} | {verdict} | {r['gpu_ms'][0]:.2f} | "
-                     f"{r['cpu_ms'][0]:.1f} | {'-' if t is None else f'{t:.2f}'} |")
+                     f"{r['cpu_ms'][0]:.1f} | {eager} |")
     if torchvision_note:
         lines += ["", torchvision_note]
     return "\n".join(lines) + "\n"

@@ -58,3 +58,40 @@ def test_inspect_shows_each_gpu_part_from_its_cubins(bundle):
     assert "gpu" not in info["targets"]["host"]
     text = run_cli("tandoor", "inspect", str(bundle), check=True).stdout
     assert "gpu (jetson-orin): cuda sm_87 (sm_87:" in " ".join(text.split())
+
+
+def test_the_gpu_checks_compile_half_passes_here_on_both_sms(bundles_dir):
+    """scripts/gpu_check.py check: what scripts/gpu-check.sh prepare checks of every bundle it stages
+    (cubins by their ELF headers, the CPU fallback within promise against onnxruntime, its reason)."""
+    import subprocess
+    import sys
+
+    from support.cli import ROOT
+
+    bundle, model = gpu_bundle(bundles_dir)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "check", str(bundle), str(model)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    facts = json.loads(res.stdout.strip().splitlines()[-1])
+    assert sorted(facts["cubins"]) == ["cuda-sm90/sm_90", "jetson-orin/sm_87"]
+    assert facts["gpu"] == "unavailable (no NVIDIA driver here: libcuda.so.1 not found)"
+
+
+def test_the_gpu_parts_weights_are_the_models_read_from_bytes_the_bundle_had_already(bundle, bundles_dir):
+    """The GPU libraries take the whole model (ACL's regions too), so their weights are the orders':
+    byte ranges of the orders' blobs (the dense kernel transposed), not a second copy."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(gpu_bundle(bundles_dir)[1]))
+    init = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    with hmod.open_bundle(bundle) as b:
+        specs = b.manifest["targets"]["jetson-orin"]["gpu"]["lib_params"]
+        arrays = hmod.param_arrays(b.read, specs)
+        assert gpu.PARAMS not in b.manifest["files"]
+    assert all(s["member"].startswith("orders/") for s in specs) and any(s.get("perm") for s in specs)
+    got = {a.shape: a for a in arrays}
+    # the conv kernel as the NHWC pass lays it out for the TVM side (OHWI), the dense kernel as given
+    np.testing.assert_array_equal(got[(8, 3, 3, 3)], init["w"].transpose(0, 2, 3, 1))
+    np.testing.assert_array_equal(got[(8, 5)], init["m"])

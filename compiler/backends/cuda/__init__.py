@@ -11,10 +11,13 @@ ones, as the fallback an agent runs when the GPU cannot be used.
                rules; MetaSchedule records where a tuning database is given), its kernels compiled
                by NVRTC (PyPI's nvidia-cuda-nvrtc) to cubins on this GPU-less workstation, and the
                library's packed imports rewritten to carry them (contract/gpu.py reads them back)
+    params.py  their weights as byte ranges of the orders' blobs and lib/params.bin where the bytes
+               are there already (the GPU module is the whole model: stored again, they doubled it)
 
 The device side is agent/run/gpu.py; the manifest's ``gpu`` entry is contract/gpu.py.
 """
 
 from .build import GpuBuild, build_gpu, bundle_part, nvrtc_available
+from .params import shared_params
 
-__all__ = ["GpuBuild", "build_gpu", "bundle_part", "nvrtc_available"]
+__all__ = ["GpuBuild", "build_gpu", "bundle_part", "nvrtc_available", "shared_params"]
