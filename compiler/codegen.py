@@ -128,10 +128,10 @@ def _flat_args(args) -> list:
 
 def _tensor_name(e, names: dict) -> str:
     v = names.get(e, None)
+    while isinstance(v, relax.Var):        # an alias of an alias ...: followed in a loop, not recursion
+        e, v = v, names.get(v, None)
     if isinstance(v, str):
         return v
-    if isinstance(v, relax.Var):
-        return _tensor_name(v, names)
     raise CompileError(f"internal: cannot resolve a region tensor ({type(e).__name__})")
 
 

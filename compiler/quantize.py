@@ -500,11 +500,12 @@ def rewrite_constant_ops(model: onnx.ModelProto) -> int:
 
 def _all_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
     """Every node of ``graph`` and of the subgraphs in its nodes' attributes (If, Loop, Scan bodies)."""
-    for n in graph.node:
-        yield n
-        for a in n.attribute:
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                yield from _all_nodes(sub)
+    graphs = [graph]            # a stack, not recursion: bodies nest as deep as the file says
+    while graphs:
+        for n in graphs.pop().node:
+            yield n
+            for a in n.attribute:
+                graphs.extend(([a.g] if a.HasField("g") else []) + list(a.graphs))
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:
@@ -547,20 +548,29 @@ def output_steps(model: onnx.ModelProto) -> dict[str, float] | None:
         t = consts.get(name)
         return None if t is None else float(np.max(np.abs(numpy_helper.to_array(t))))
 
-    def step(name: str, seen: set) -> float | None:
-        n = producer.get(name)
-        if n is None or name in seen:
-            return None
-        seen.add(name)
-        if n.op_type == "DequantizeLinear":
-            return scale_of(n.input[1])
-        ins = n.input[:1] if n.op_type in _STEP_PRESERVING and n.op_type != "Concat" else n.input
-        found = [s for s in (step(i, seen) for i in ins if i) if s is not None]
+    def step(name: str) -> float | None:
+        """The largest scale among the DequantizeLinears ``name`` is computed from, through the
+        inputs that carry a step (the first of a step-preserving op, every input of others). A
+        walk with a stack, not recursion: a 10,000-node chain is deeper than Python's stack."""
+        found, seen, todo = [], set(), [name]
+        while todo:
+            t = todo.pop()
+            n = producer.get(t)
+            if n is None or t in seen:
+                continue
+            seen.add(t)
+            if n.op_type == "DequantizeLinear":
+                s = scale_of(n.input[1])
+                if s is not None:
+                    found.append(s)
+                continue
+            ins = n.input[:1] if n.op_type in _STEP_PRESERVING and n.op_type != "Concat" else n.input
+            todo.extend(i for i in ins if i)
         return max(found) if found else None
 
     out = {}
     for o in model.graph.output:
-        s = step(o.name, set())
+        s = step(o.name)
         out[o.name] = s if s is not None else float("nan")
     return out
 
