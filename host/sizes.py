@@ -14,6 +14,8 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("TVM libraries", "lib/<target>.so: the TVM part, one per target"),
     ("TVM fallbacks", "fallback/<target>.so.z (format 4: one per target, zlib; before: one per subgraph and target)"),
     ("fallback weights", "fallback/<symbol>.params.bin: fallback weights no order holds"),
+    ("GPU libraries", "gpu/<target>.<sm>.so.z: the GPU part, one per SM, its kernels cubins (docs/gpu.md)"),
+    ("GPU weights", "gpu/lib_params.bin: GPU part weights neither an order nor lib/params.bin holds"),
     ("order JSON", "orders/<symbol>.json"),
     ("ONNX renderings", "orders/<symbol>.onnx (weights: external data in the order's blob)"),
     ("probes", "orders/<symbol>.probe.npz: the load-time check's reference"),
@@ -32,6 +34,8 @@ def kind_of(name: str) -> str:
         return "TVM libraries"
     if name.startswith("fallback/"):
         return "fallback weights" if name.endswith(".params.bin") else "TVM fallbacks"
+    if name.startswith("gpu/"):
+        return "GPU weights" if name.endswith(".bin") else "GPU libraries"
     if name.startswith("golden/"):
         return "golden"
     if name.startswith("orders/"):
