@@ -989,10 +989,14 @@ def fleet_rollback(broker, cafile, prefix, devices, timeout, as_json, db):
               help="Hours raw telemetry is kept.")
 @click.option("--rollup-days", default=14.0, show_default=True, type=click.FloatRange(0.1),
               help="Days the 1-minute telemetry rollups and device events are kept.")
+@click.option("--results/--no-results", default=True, show_default=True,
+              help="Keep each device's latest result (at most one per 5 s); --no-results: not even subscribed "
+                   "(agents send up to results_max_rate_hz each: the console's largest stream in a big fleet).")
 @click.option("--hash-password", is_flag=True,
               help="Read a password from stdin, print its users-file hash, and exit.")
 @debug_option
-def fleet_console(db, listen, brokers, cafile, prefix, group, users, bundles, raw_hours, rollup_days, hash_password):
+def fleet_console(db, listen, brokers, cafile, prefix, group, users, bundles, raw_hours, rollup_days, results,
+                  hash_password):
     """The fleet console: every device's status, telemetry, snapshot, jobs and key operations kept in a
     database (SQLite or PostgreSQL), and web pages of the fleet, each device and the deployments,
     live, with /metrics for Prometheus (docs/fleet.md, "The console")."""
@@ -1014,7 +1018,7 @@ def fleet_console(db, listen, brokers, cafile, prefix, group, users, bundles, ra
                         datefmt="%H:%M:%S", stream=sys.stderr)
     try:
         server.run(db or server.default_db(), listen, list(brokers) or ["mqtt://localhost:1883"], cafile, prefix,
-                   group, users, bundles, raw_hours, rollup_days)
+                   group, users, bundles, raw_hours, rollup_days, results)
     except (ValueError, StoreError, AuthError, FleetError) as err:
         click.echo(f"tandoor: error: {err}", err=True)
         sys.exit(2)

@@ -72,7 +72,7 @@ class Publishers:
             c.loop_start()
             self.clients.append(c)
         self.stop = threading.Event()
-        self.sent = 0
+        self.sent = self.results = 0
 
     def statuses(self) -> None:
         for i, d in enumerate(self.devices):
@@ -96,6 +96,25 @@ class Publishers:
                 self.clients[i % len(self.clients)].publish(f"tandoor/{d}/telemetry",
                                                             json.dumps(telemetry(d, seq, rnd)), qos=1)
                 self.sent += 1
+                if self.stop.is_set():
+                    break
+
+    def run_results(self, hz: float) -> None:
+        """Every device's results at ``hz`` (the agent's results_max_rate_hz default is 2), a detector's shape."""
+        body = json.dumps({"kind": "detector", "detections": [
+            {"box": [417.3, 15.4, 440.2, 44.2], "score": 0.78, "class_id": 0, "label": "person"}] * 3,
+            "seq": 130, "source": "v4l2:/dev/video0", "frame": [640, 480], "t_capture": 5231.1,
+            "timings_ms": {"capture": 2.0, "preprocess": 0.6, "inference": 21.1, "postprocess": 0.3}, "ts": 0})
+        gap = 1.0 / (hz * len(self.devices))
+        t = time.monotonic()
+        while not self.stop.is_set():
+            for i, d in enumerate(self.devices):
+                t += gap
+                delay = t - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                self.clients[i % len(self.clients)].publish(f"tandoor/{d}/results", body, qos=0)
+                self.results += 1
                 if self.stop.is_set():
                     break
 
@@ -140,6 +159,8 @@ def run_one(store: str, args, work: Path) -> dict:
             t0 = time.time()
             th = threading.Thread(target=pubs.run, daemon=True)
             th.start()
+            if args.results_hz > 0:
+                threading.Thread(target=pubs.run_results, args=(args.results_hz,), daemon=True).start()
             cpu, rss = [], []
             proc.cpu_percent(None)
             while time.time() - t0 < args.seconds:
@@ -170,7 +191,7 @@ def run_one(store: str, args, work: Path) -> dict:
         per_1m = size["telemetry_1m"] / max(1, n_1m)
         raw_day = 86400 / args.period
         return {"store": store, "devices": args.devices, "period_s": args.period, "seconds": args.seconds,
-                "sent": pubs.sent, "rows": n_raw, "rate_msg_s": round(n_raw / args.seconds, 1),
+                "sent": pubs.sent, "results_sent": pubs.results, "results_hz": args.results_hz, "rows": n_raw, "rate_msg_s": round(n_raw / args.seconds, 1),
                 "lag_ms": {"p50": round(pct(lag, 0.5) * 1000, 1), "p99": round(pct(lag, 0.99) * 1000, 1),
                            "max": round(max(lag) * 1000, 1)} if lag else None,
                 "console_cpu_pct": {"mean": round(statistics.mean(cpu[2:] or cpu), 1), "max": round(max(cpu), 1)},
@@ -185,11 +206,12 @@ def run_one(store: str, args, work: Path) -> dict:
 
 def to_markdown(results: list[dict], cmd: str) -> str:
     lines = [f"`{cmd}`", "",
-             "| store | devices, period | msgs/s | ingest lag p50 / p99 | console CPU mean / peak | console RSS | "
+             "| store | devices, period, results | msgs/s | ingest lag p50 / p99 | console CPU mean / peak | console RSS | "
              "fleet page, all rows / first 50 | bytes per raw row / rollup row |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['store']} | {r['devices']}, {r['period_s']:g} s | {r['rate_msg_s']} | "
+        lines.append(f"| {r['store']} | {r['devices']}, {r['period_s']:g} s, {r['results_hz']:g} Hz | "
+                     f"{round((r['sent'] + r['results_sent']) / r['seconds'])} | "
                      f"{r['lag_ms']['p50']} / {r['lag_ms']['p99']} ms | {r['console_cpu_pct']['mean']} / "
                      f"{r['console_cpu_pct']['max']} % | {r['console_rss_mb_max']} MiB | "
                      f"{r['fleet_page_ms'][str(r['devices']) + ' rows']} / {r['fleet_page_ms']['50 rows']} ms | "
@@ -203,6 +225,9 @@ def main(argv=None) -> int:
     ap.add_argument("--period", type=float, default=5.0, help="telemetry period per device (the agent's default)")
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--publishers", type=int, default=4)
+    ap.add_argument("--results-hz", type=float, default=0.0,
+                    help="each device's results per second too (the agent's default results_max_rate_hz is 2; "
+                         "the console keeps one per 5 s)")
     ap.add_argument("--stores", default="sqlite,postgres")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

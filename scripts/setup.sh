@@ -46,6 +46,25 @@ if [[ -d /usr/lib/python3/dist-packages/pyarmnn ]]; then
   echo "$VENV/pyarmnn-only" > "$SITE/tandoor-pyarmnn.pth"
 fi
 
+# The fleet console's chart library (uPlot), vendored from npm into the package's static dir:
+# the console's pages need no internet and no CDN (fleet/console/static/vendor/, not in git).
+UPLOT_VERSION=1.6.32
+VENDOR="$ROOT/fleet/console/static/vendor"
+if [[ "$(cat "$VENDOR/.uplot-version" 2>/dev/null)" != "$UPLOT_VERSION" ]]; then
+  if ! command -v npm >/dev/null && [[ "${TANDOOR_SKIP_APT:-0}" != 1 ]]; then   # Debian's nodejs comes without it
+    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends npm >/dev/null
+  fi
+  command -v npm >/dev/null || { say "npm is needed to vendor uPlot for the fleet console (apt install npm)"; exit 1; }
+  say "vendoring uPlot $UPLOT_VERSION from npm into fleet/console/static/vendor"
+  tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack -q "uplot@$UPLOT_VERSION" >/dev/null && tar xzf "uplot-$UPLOT_VERSION.tgz")
+  mkdir -p "$VENDOR"
+  cp "$tmp/package/dist/uPlot.iife.min.js" "$tmp/package/dist/uPlot.min.css" "$tmp/package/LICENSE" "$VENDOR/"
+  echo "$UPLOT_VERSION" > "$VENDOR/.uplot-version"
+  rm -rf "$tmp"
+fi
+
 STAMP="$VENV/.tandoor-deps"
 WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
@@ -84,19 +103,4 @@ if [[ "$(uname -m)" == x86_64 && "${TANDOOR_SKIP_RKNN:-0}" != 1 ]]; then
       || { say "the RKNN toolkit does not import in .venv-rknn; see docs/npu.md"; exit 1; }
     echo "$RKNN_WANT" > "$RKNN_STAMP"
   fi
-fi
-
-# The fleet console's chart library (uPlot), vendored from npm into the package's static dir:
-# the console's pages need no internet and no CDN (fleet/console/static/vendor/, not in git).
-UPLOT_VERSION=1.6.32
-VENDOR="$ROOT/fleet/console/static/vendor"
-if [[ "$(cat "$VENDOR/.uplot-version" 2>/dev/null)" != "$UPLOT_VERSION" ]]; then
-  command -v npm >/dev/null || { say "npm is needed to vendor uPlot for the fleet console (apt install npm)"; exit 1; }
-  say "vendoring uPlot $UPLOT_VERSION from npm into fleet/console/static/vendor"
-  tmp="$(mktemp -d)"
-  (cd "$tmp" && npm pack -q "uplot@$UPLOT_VERSION" >/dev/null && tar xzf "uplot-$UPLOT_VERSION.tgz")
-  mkdir -p "$VENDOR"
-  cp "$tmp/package/dist/uPlot.iife.min.js" "$tmp/package/dist/uPlot.min.css" "$tmp/package/LICENSE" "$VENDOR/"
-  echo "$UPLOT_VERSION" > "$VENDOR/.uplot-version"
-  rm -rf "$tmp"
 fi

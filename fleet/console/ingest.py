@@ -52,6 +52,7 @@ QUEUE_MAX = 20000
 BATCH_S = 0.2
 BATCH_N = 2000
 RETAINED_S = 3.0
+RESULTS_EVERY_S = 5.0  # a device's results kept at most this often (the agent sends up to results_max_rate_hz)
 RETAINED_SUB_ID = 1   # MQTT 5 subscription identifier of the plain subscription to the retained leaves
 PRUNE_EVERY_S = 60.0
 DEVICE_ID_MAX = 200
@@ -61,13 +62,14 @@ class BrokerLink:
     """One broker: connection state (``connected``, ``stale_since``) and its paho client."""
 
     def __init__(self, url: str, prefix: str, group: str, sink: Callable[[Msg], None], cafile: str | None = None,
-                 counters: Counter | None = None) -> None:
+                 counters: Counter | None = None, leaves: tuple[str, ...] = tuple(LEAVES)) -> None:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
         self.url = BrokerURL.parse(url)
         self.name = f"{self.url.host}:{self.url.port}"
-        self.prefix, self.group, self.sink = prefix, group, sink
+        self.prefix, self.group, self.sink, self.leaves = prefix, group, sink, leaves
+        self._result_at: dict[str, float] = {}
         self.counters = counters if counters is not None else Counter()
         self.connected = False
         self.stale_since: float | None = time.time()     # not yet connected: nothing is fresh
@@ -101,7 +103,7 @@ class BrokerLink:
             return
         self.connected, self.stale_since, self.last_error = True, None, None
         log.info("connected to the broker %s", self.name)
-        shared = [(f"$share/{self.group}/{protocol.fleet_filter(self.prefix, leaf)}", 1) for leaf in LEAVES]
+        shared = [(f"$share/{self.group}/{protocol.fleet_filter(self.prefix, leaf)}", 1) for leaf in self.leaves]
         client.subscribe(shared)
         plain = [protocol.fleet_filter(self.prefix, leaf) for leaf, spec in LEAVES.items() if spec.retained]
         props = self._mqtt.Properties(self._mqtt.PacketTypes.SUBSCRIBE)
@@ -122,6 +124,14 @@ class BrokerLink:
         ids = getattr(getattr(msg, "properties", None), "SubscriptionIdentifier", None) or []
         if RETAINED_SUB_ID in (ids if isinstance(ids, list) else [ids]) and not msg.retain:
             return      # a live message on the retained-snapshot subscription: the shared one has it
+        if msg.topic.endswith("/" + protocol.RESULTS):   # the latest result is what a page shows: one per period
+            now = time.monotonic()
+            if now - self._result_at.get(msg.topic, -RESULTS_EVERY_S) < RESULTS_EVERY_S:
+                self.counters["results_skipped"] += 1
+                return
+            if len(self._result_at) > 1_000_000:
+                self._result_at.clear()
+            self._result_at[msg.topic] = now
         try:
             m = parse(self.prefix, msg.topic, bytes(msg.payload), getattr(msg, "properties", None))
         except ValueError as e:
@@ -165,11 +175,12 @@ class Ingest:
     """The brokers' messages into the store: ``start()``, ``stop()``, ``health()``."""
 
     def __init__(self, store: Store, brokers: list[str], prefix: str = protocol.DEFAULT_PREFIX,
-                 group: str = "tandoor-console", cafile: str | None = None) -> None:
+                 group: str = "tandoor-console", cafile: str | None = None, results: bool = True) -> None:
         self.store = store
         self.counters: Counter = Counter()
         self.q: queue.Queue[Msg] = queue.Queue(QUEUE_MAX)
-        self.links = [BrokerLink(b, prefix, group, self._put, cafile, self.counters) for b in brokers]
+        leaves = tuple(k for k in LEAVES if results or k != protocol.RESULTS)
+        self.links = [BrokerLink(b, prefix, group, self._put, cafile, self.counters, leaves) for b in brokers]
         self.on_change: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name="console-writer")

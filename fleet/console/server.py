@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def is_loopback(host: str) -> bool:
 
 def run(db: str, listen: str, brokers: list[str], cafile: str | None, prefix: str, group: str,
         users: Path | None, bundles: Path | None, raw_hours: float, rollup_days: float,
-        ready=None) -> None:
+        results: bool = True, ready=None) -> None:
     """Blocks until a signal; raises ValueError / StoreError / AuthError / OSError for the CLI to say."""
     host, port = parse_listen(listen)
     auth = Auth(load_users(users) if users else None)
@@ -52,12 +53,13 @@ def run(db: str, listen: str, brokers: list[str], cafile: str | None, prefix: st
     store = Store.open(db, raw_hours=raw_hours, rollup_days=rollup_days)
     log.info("database %s at schema version %d (raw telemetry %g h, rollups %g days)", store._where(),
              store.version(), raw_hours, rollup_days)
-    ingest = Ingest(store, brokers, prefix=prefix, group=group, cafile=cafile).start()
+    ingest = Ingest(store, brokers, prefix=prefix, group=group, cafile=cafile, results=results).start()
     console = Console(store, ingest, auth, brokers[0], cafile=cafile, prefix=prefix, bundles_dir=bundles)
     try:
         asyncio.run(_serve(console, host, port, ready))
     finally:
         ingest.stop()
+        shutil.rmtree(console.upload_dir, ignore_errors=True)
 
 
 async def _serve(console: Console, host: str, port: int, ready) -> None:

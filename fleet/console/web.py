@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import tempfile
 import threading
 import time
@@ -320,7 +321,9 @@ class Console:
         who = f"the console ({request['session'].user.name})"
         up = form.get("bundle_file")
         if getattr(up, "file", None) is not None and getattr(up, "filename", ""):
-            path = self.upload_dir / Path(up.filename).name
+            # a name of our own (the sender's may be "..", or anything): a fresh folder per upload
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(up.filename).name).lstrip(".") or "bundle.hmod"
+            path = Path(tempfile.mkdtemp(dir=self.upload_dir)) / name
             path.write_bytes(up.file.read())
         elif form.get("bundle") and self.bundles_dir:
             path = self.bundles_dir / Path(str(form["bundle"])).name

@@ -110,8 +110,8 @@ def test_hostile_input_logins_broker_loss_and_a_full_disk(tmp_path, bundles_dir)
                 assert offers.on("/update/job") == [], "an offer went out for an unrecorded job"
             (dbdir / "fill").unlink()
             pub.publish("tandoor/ok-dev/telemetry", json.dumps({"ts": time.time(), "fps": 7.0}))
-            _until(lambda: "refuses writes" not in web.get("/")[1], what="writes resumed")
-            assert "7.0" in web.get("/device/ok-dev")[1]
+            _until(lambda: "7.0 FPS" in web.get("/device/ok-dev")[1], what="the telemetry after the disk freed")
+            assert "refuses writes" not in web.get("/")[1]
         finally:
             pub.stop()
             rc = c.stop()
