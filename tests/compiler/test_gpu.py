@@ -58,6 +58,8 @@ def test_inspect_shows_each_gpu_part_from_its_cubins(bundle):
     assert "gpu" not in info["targets"]["host"]
     text = run_cli("tandoor", "inspect", str(bundle), check=True).stdout
     assert "gpu (jetson-orin): cuda sm_87 (sm_87:" in " ".join(text.split())
+    sizes = json.loads(run_cli("tandoor", "inspect", str(bundle), "--sizes", "--json", check=True).stdout)
+    assert {k["kind"]: k["members"] for k in sizes["kinds"]}["GPU libraries"] == 2     # sm_87 and sm_90
 
 
 def test_the_gpu_checks_compile_half_passes_here_on_both_sms(bundles_dir):
