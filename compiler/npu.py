@@ -384,7 +384,9 @@ def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples:
     preprocessing already applied), checked in the toolkit's simulator against onnxruntime on
     held-out samples (or, fp16 without samples, the probe inputs). A group the toolkit cannot
     convert is named in ``failed`` (the caller leaves it on the CPU); one past the tolerance is a
-    CompileError: the NPU would run it, and it would be wrong. With ``judged`` (`--max-drop`: the
+    CompileError: the NPU would run it, and it would be wrong, unless the check inputs are held-out
+    real frames on which the model's answers agree (rknn.answers_disagree: top-1 kept, the other
+    outputs' cosine), which is what decides there (fp16 too). With ``judged`` (`--max-drop`: the
     caller judges the bundle's answers on real frames) it is said, recorded as ``past``, and kept."""
     from . import rknn
     from .errors import CompileError
@@ -415,15 +417,20 @@ def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples:
                        key=lambda r: r["cosine"])[:5]
         hurt = "; layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})"
                                                       for r in worst) if worst else ""
+        moved = _answers(model, g, res["outputs"], check, dtype) if bad and done.held_out and not judged else None
         if bad and judged:
             say(f"{g.symbol}: past the order's own bound on {done.source} ({'; '.join(bad)}{hurt}): --max-drop "
                 "judges it on --validation")
+        elif bad and moved == []:
+            say(f"{g.symbol}: past the order's own bound on {done.source} ({'; '.join(bad)}), but the model's "
+                "answers (top-1, direction of the other outputs) agree with onnxruntime fp32 on them: kept")
         elif bad:
             raise CompileError(f"{g.symbol} on the NPU ({dtype}) does not agree with onnxruntime fp32 on "
-                               f"{done.source}: {'; '.join(bad)}{hurt}; nothing was written. "
-                               + ("Try --npu-dtype fp16, more calibration frames, or compile without --npu"
-                                  if dtype == "int8" else "Compile without --npu (or report the model: fp16 "
-                                  "should keep it)"))
+                               f"{done.source}: {'; '.join(moved or bad)}{hurt}; nothing was written. "
+                               + ("Try --npu-dtype fp16, more calibration frames, or compile without --npu, "
+                                  if dtype == "int8" else "Compile without --npu, give --calibration FRAMES (the "
+                                  "answers on held-out frames then decide), " if not done.held_out else
+                                  "Compile without --npu, ") + rknn.JUDGE_HINT)
         g.rknn_blob = res["blob"]
         g.simulated = res["outputs"]
         g.rknn = {"toolkit_version": res["toolkit_version"], "dtype": dtype, "target_platform": rknn.TARGET_PLATFORM,
@@ -431,10 +438,31 @@ def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples:
                   "check": {"source": done.source, "cosine": [round(c, 6) for c in agree["cosine"]],
                             "max_err": [round(e, 6) for e in agree["max_err"]], "top1": agree["top1"]},
                   **({"past": bad} if bad else {}),
+                  **({"answers_agree": True} if bad and moved == [] else {}),
                   "calibration_frames": len(acts_cal),
                   "worst_layers": worst, "seconds": res.get("seconds", {})}
         done.orders.append({"symbol": g.symbol, **g.rknn})
     return done
+
+
+def _answers(model: onnx.ModelProto, g, simulated: list, check: list[list[np.ndarray]], dtype: str) -> list[str]:
+    """How the model's answers on the held-out frames ``check`` move when group ``g`` runs on the NPU
+    (its simulator's outputs ``simulated``), against onnxruntime fp32: rknn.answers_disagree."""
+    import onnxruntime as ort
+
+    from . import rknn
+
+    was, g.simulated = g.simulated, simulated
+    try:
+        got = simulated_outputs(model, [g], check)
+    finally:
+        g.simulated = was
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    want = [sess.run(None, dict(zip(inputs, xs))) for xs in check]
+    return rknn.answers_disagree(rknn.agreement(got, want), dtype)
 
 
 def keep_converted(old: list, new: list) -> None:

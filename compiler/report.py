@@ -161,9 +161,10 @@ def print_summary(info: dict) -> None:
                       f"cosine >= {o['tolerance']['cosine']}, error <= {o['tolerance']['max_err']}", o["check"]["source"])
         c.print(t)
         for o in n["orders"]:
-            if o.get("past"):      # kept only when compile --max-drop judged the answers instead
-                c.print(f"  {o['symbol']} is past its own bound ({'; '.join(o['past'])}); the bundle's answers on "
-                        "real frames were judged with --max-drop instead")
+            if o.get("past"):      # kept only when the answers on real frames were judged instead
+                c.print(f"  {o['symbol']} is past its own bound ({'; '.join(o['past'])}); " + (
+                    "the model's answers agreed on the held-out calibration frames" if o.get("answers_agree") else
+                    "the bundle's answers on real frames were judged with --max-drop instead"))
             worst = o.get("worst_layers") or []
             if worst:   # the toolkit's accuracy analysis: cosine to fp32 accumulated up to each layer
                 c.print(f"  {o['symbol']} layers furthest from fp32: " + ", ".join(

@@ -35,6 +35,14 @@ MISSING = "--npu needs the RKNN toolkit: run scripts/setup.sh on an x86_64 host"
 # the cosine similarity at least ``cosine``, and the largest error at most ``max_err`` of the
 # reference's largest magnitude. INT8's is its quantization step's worth; fp16's is fp16's.
 TOLERANCE = {"int8": {"cosine": 0.98, "max_err": 0.25}, "fp16": {"cosine": 0.9999, "max_err": 0.01}}
+# On held-out real frames (--calibration given) the model's answers decide instead: a score
+# vector keeps its top-1 on every frame, any other output (boxes, maps) its direction, cosine
+# at least this. A 1% max error is more than fp16 keeps through a deep net (a face detector's
+# fp16 order: 0.137-0.155 of the largest value at cosine 0.9994-0.9995, the same boxes).
+ANSWERS_COSINE = {"int8": 0.98, "fp16": 0.999}
+# What a refusal offers: the bundle's answers judged on the user's own frames by the host
+JUDGE_HINT = ("or give --max-drop PCT --validation DIR to judge the bundle's answers (top-1, boxes) on your own "
+              "frames instead")
 
 
 class ConvertFailed(CompileError):
@@ -140,6 +148,18 @@ def past(agree: dict, tolerance: dict) -> list[str]:
         if c < tolerance["cosine"] or e > tolerance["max_err"]:
             bad.append(f"output {j}: cosine {c:.4f} (>= {tolerance['cosine']}), max error {e:.3f} of the largest "
                        f"value (<= {tolerance['max_err']})")
+    return bad
+
+
+def answers_disagree(agree: dict, dtype: str) -> list[str]:
+    """The model outputs whose answers moved (``agree``: :func:`agreement` of the model's outputs):
+    a score vector whose top-1 changed on a frame, another output below ANSWERS_COSINE."""
+    bad = []
+    for j, (c, t) in enumerate(zip(agree["cosine"], agree["top1"])):
+        if t is not None and t < 1.0:
+            bad.append(f"model output {j}: top-1 kept on {t:.0%} of the frames")
+        elif t is None and c < ANSWERS_COSINE[dtype]:
+            bad.append(f"model output {j}: cosine {c:.4f} (>= {ANSWERS_COSINE[dtype]})")
     return bad
 
 

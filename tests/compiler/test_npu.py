@@ -328,3 +328,23 @@ def test_int8_leaves_a_concat_of_far_apart_ranges_on_the_cpu_so_the_npu_keeps_th
     assert picked.refused[concat].startswith("INT8 would give it one scale for inputs up to ")
     assert [sorted(g) for g in picked.groups] == [[0, 1, 2]]
     assert concat in {k for g in npu.pick(model).groups for k in g}          # fp16: no ranges, one region
+
+
+def test_on_held_out_frames_the_answers_decide_and_a_refusal_names_max_drop(tmp_path, monkeypatch):
+    """--calibration given (fp16 too): past the order's own bound, the model's answers on the
+    held-out frames decide (top-1 of its score vector kept: compiled, recorded); when they move,
+    the refusal names --max-drop --validation, which judges boxes on the user's frames."""
+    monkeypatch.setitem(rknn.TOLERANCE, "fp16", {"cosine": 1.0, "max_err": 0.0})     # no order keeps this
+    frames = [[RNG.standard_normal((1, 3, 32, 32)).astype(np.float32)] for _ in range(5)]
+    out = tmp_path / "cnn.hmod"
+    compile_model(cnn(tmp_path), out, targets=["rk3588"], npu=True, npu_dtype="fp16", npu_samples=frames,
+                  measure="off")
+    [o] = manifest_of(out)["npu"]["orders"]
+    assert o["past"] and o["answers_agree"] and o["check"]["source"] == "1 held-out calibration frame(s)"
+    monkeypatch.setitem(rknn.ANSWERS_COSINE, "fp16", 1.01)
+    monkeypatch.setattr(rknn, "agreement", lambda got, want: {"cosine": [0.5] * len(want[0]), "max_err": [1.0] *
+                                                              len(want[0]), "top1": [0.0] * len(want[0])})
+    with pytest.raises(CompileError, match=r"model output 0: top-1 kept on 0% of the frames.*nothing was written.*"
+                                           r"--max-drop PCT --validation DIR"):
+        compile_model(cnn(tmp_path), tmp_path / "moved.hmod", targets=["rk3588"], npu=True, npu_dtype="fp16",
+                      npu_samples=frames, measure="off", cache=False)
