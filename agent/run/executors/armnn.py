@@ -72,11 +72,11 @@ from . import armnn_tflite
 
 __all__ = ["UnsupportedOrder", "ArmnnExecutor", "available", "backends"]
 
-from . import armnn_ops
+from . import armnn_api, armnn_ops
 from .armnn_api import (  # noqa: F401  (re-exported: the executor module's public names)
     Api, DEFAULT_PREFERRED, PERMUTES_2008, QType, QUANT_OPS, QuantOp, SCRATCH_BINDING,
     UnsupportedOrder, WEIGHT_DTYPES, _ARMNN_OF_ACT, _FLT_MAX, _abi, _per_tensor, _pyarmnn, _quant,
-    _raw, _runtime, _shape_of, api, available, backends, differs, permute_plan, resize_flags
+    _runtime, _shape_of, api, available, backends, differs, permute_plan, resize_flags
 )
 
 
@@ -210,7 +210,7 @@ class ArmnnExecutor:
         if len(inputs) != len(self._in_infos) or len(outputs) != len(self._out_infos):
             raise ValueError(f"{self.symbol} takes {len(self._in_infos)} inputs and {len(self._out_infos)} "
                              f"outputs, got {len(inputs)} and {len(outputs)}")
-        ann, raw = self._ann, _raw
+        ann, raw = self._ann, armnn_api._raw   # set by _pyarmnn() at the first build: read it now
         in_tensors = []
         for i, x in enumerate(inputs):
             a = np.asarray(x)
