@@ -22,6 +22,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from .backends import BACKENDS, LAYERS
+
 # 1: float32 tensors only. 2: tensors and weights may also be quantized (int8/uint8 activations,
 # int8 weights, int32 biases, each with a ``quant`` object; QUANT below). 3: the order may be of
 # kind "onnx" (KINDS). The compiler writes the lowest version that describes the order (1 for a
@@ -58,12 +60,12 @@ FALLBACK = "tvm"
 # manifest entry's ``rknn`` member) and as their ONNX rendering, which onnxruntime runs wherever the
 # NPU's runtime is missing or of another version; ``rknn`` holds {"toolkit_version", "dtype",
 # "target_platform", "tolerance", "check"} (docs/npu.md).
-KINDS: dict[str, tuple[str, ...]] = {"layers": ("armnn", "onnxruntime", "tvm"), "onnx": ("onnxruntime",),
-                                     "rknn": ("rknn", "onnxruntime")}
+# The kinds and their executors are the backend registry's (contract/backends.py).
+KINDS: dict[str, tuple[str, ...]] = {b.kind: b.executors for b in BACKENDS.values()}
 
 
 def kind_of(order: Mapping) -> str:
-    return str(order.get("kind") or "layers")
+    return str(order.get("kind") or LAYERS)
 
 
 def refuses(executor: str, order: Mapping) -> str | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandoor_contract import hmod, orders, probe
+from tandoor_contract import backends, hmod, orders, probe
 from tandoor_contract.errors import TandoorError
 
 
@@ -184,6 +184,8 @@ REGISTRY: dict[str, Kind] = {k.name: k for k in [
          _rknn_available, _build_rknn),
 ]}
 assert tuple(REGISTRY) == orders.EXECUTORS, "the registry and the contract's executor names differ"
+assert all(e in REGISTRY for b in backends.BACKENDS.values() for e in b.executors), \
+    "a backend of tandoor_contract.backends names an executor this agent lacks"
 
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 AUTO = "auto"
@@ -203,7 +205,7 @@ def build(kind: str, ctx: BuildContext):
 def auto_order(acl_here: bool) -> list[str]:
     """auto's order of preference: armnn first only where it brings ACL (CpuAcc/GpuAcc); its
     CpuRef backend is a reference implementation, seconds per CNN inference."""
-    npu = ["rknn"]     # only rknn orders name it (orders.KINDS): the others never try it
+    npu = ["rknn"]     # the executor only rknn orders name (backends.BACKENDS): the others never try it
     if acl_here:
         return npu + [n for n in NAMES if n not in npu]
     return npu + ["onnxruntime", "armnn", orders.FALLBACK]
