@@ -138,15 +138,6 @@ def memory_plan(mod, target_dict: dict) -> dict:
     }
 
 
-def _relax_module(model, delegate: dict[str, bool]):
-    """The TVM side of a bundle as compile_model builds it: `delegate` says which regions stay."""
-    from tandoor_compiler import codegen, importer, partition, passes
-
-    mod, _ = passes.optimise(importer.to_relax(model))
-    result = partition.partition(mod, model.name, lambda p: (delegate.get(p.symbol, False), "bench"))
-    return codegen.lower_regions(result.mod)
-
-
 # --- the paths -----------------------------------------------------------------------------------
 
 class _Path:
@@ -374,8 +365,10 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
 
     progress("reading the static memory plans")
     host = schedule.host_target({"kind": "llvm"})
-    plan_tvm = memory_plan(_relax_module(model, {}), host)
-    plan_hyb = memory_plan(_relax_module(model, {p["symbol"]: p["delegate"] for p in hyb_manifest["partitions"]}), host)
+    from .kernels import relax_module
+
+    plan_tvm = memory_plan(relax_module(model, {}), host)
+    plan_hyb = memory_plan(relax_module(model, {p["symbol"]: p["delegate"] for p in hyb_manifest["partitions"]}), host)
 
     kern = None
     if kernels:

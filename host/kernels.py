@@ -55,6 +55,15 @@ _ORT_PATTERN = {op: pattern for pattern, ops in _ORT_OPS.items() for op in ops}
 _ORT_CONVS = ("Conv", "FusedConv", "NhwcConv", "NhwcFusedConv")
 
 
+def relax_module(model, delegate: dict[str, bool]):
+    """The TVM side of a bundle as compile_model builds it: `delegate` says which regions stay."""
+    from tandoor_compiler import codegen, importer, partition, passes
+
+    mod, _ = passes.optimise(importer.to_relax(model))
+    result = partition.partition(mod, model.name, lambda p: (delegate.get(p.symbol, False), "bench"))
+    return codegen.lower_regions(result.mod)
+
+
 def conv_pattern(kh: int, kw: int, stride: int, groups: int, cin: int, cout: int) -> str:
     """One name for a conv on both sides: kind, kernel, stride (s1 left out)."""
     s = f" s{stride}" if stride > 1 else ""
@@ -125,10 +134,9 @@ def _tvm_build(model, progress):
     from tandoor_compiler import schedule
     from tandoor_compiler.passes import legalise_for_tvm
 
-    from .bench import _relax_module
 
     seen: dict = {}
-    mod = legalise_for_tvm(_relax_module(model, {}))
+    mod = legalise_for_tvm(relax_module(model, {}))
     t = tvm.target.Target(schedule.host_target({"kind": "llvm"}))
     progress("compiling the TVM-only module for per-kernel timing")
     ex = tvm.compile(mod, target=t, relax_pipeline=schedule.cpu_pipeline(t, observe=seen.update))

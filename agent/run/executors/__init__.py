@@ -18,13 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from tandoor_contract import backends, hmod, orders, probe
-from tandoor_contract.errors import TandoorError
 
-
-class Unavailable(TandoorError):
-    """This executor cannot build this order here; the message says why (the caller falls back)."""
-
-    exit_code = 3
+from .errors import Unavailable
 
 
 @dataclass(frozen=True)

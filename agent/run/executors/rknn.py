@@ -76,7 +76,7 @@ class RknnExecutor:
     name = "rknn"
 
     def __init__(self, order: dict, rknn_bytes: bytes, workdir: Path, cores=CORES, runtime=None) -> None:
-        from . import Unavailable
+        from .errors import Unavailable
 
         facts = order.get("rknn") or {}
         if runtime is None:

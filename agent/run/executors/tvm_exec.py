@@ -15,7 +15,7 @@ import numpy as np
 
 from tandoor_contract import hmod
 
-from . import Unavailable
+from .errors import Unavailable
 
 
 class TvmExecutor:
