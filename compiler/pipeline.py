@@ -676,7 +676,7 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None, 
                         gpu_side[1], members, lib_params, lambda vs: _params_member(vs, gpu_contract.PARAMS, members))
                     if gpu_params:
                         part["lib_params"] = gpu_params
-                    entry["gpu"] = part
+                    entry["gpu"] = {**part, "orders": sorted(on_gpu)}    # the orders its libraries call
             if merged is not None:
                 # one library for every subgraph, a function each (hmod.fallback_function)
                 say(f"compiling the TVM fallbacks of {len(fallbacks)} subgraph(s) for {t.name}")

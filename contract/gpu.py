@@ -6,7 +6,9 @@ CPU ``lib`` as before, and the CPU lib always stays in the bundle as the fallbac
     "gpu": {"version": 1, "kind": "cuda", "runtime": "cuda13",
             "libs": {"sm_87": "gpu/jetson-orin.sm_87.so.z"},     # member per SM (packed as lib is)
             "cubin_bytes": {"sm_87": 51656},                      # the kernels' size, for inspect
-            "lib_params": [{"member": "gpu/lib_params.bin", ...}]} # their weights (hmod.param_arrays)
+            "lib_params": [{"member": "gpu/lib_params.bin", ...}], # their weights (hmod.param_arrays)
+            "orders": ["m_onnx_0"]}                               # the orders they call (the rest:
+                                                                  # the CPU lib's, built only for it)
 
 Each library is the whole TVM side (ACL's regions included: a Jetson's GPU outruns ACL on its CPU
 cores; only onnxruntime orders are called out to), with its own weights (``lib_params``), its kernels

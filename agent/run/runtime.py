@@ -190,10 +190,10 @@ class HybridModule:
         # on the board it was measured on (a profile from another board says nothing here).
         prof = self.manifest.get("profile") or {}
         profiled_here = bool(prof) and prof.get("board") == _board_model()
-        try:
-            for part in self.manifest.get("partitions", []):
-                if not part.get("delegate"):
-                    continue
+
+        def build_orders(parts: list[dict]) -> None:
+            """An executor for each of ``parts``' orders, registered under its symbol."""
+            for part in parts:
                 symbol = part["symbol"]
                 order = bundle.order(symbol)
                 reasons = []
@@ -227,16 +227,25 @@ class HybridModule:
                         log.info("%s runs on %s (%s)", symbol, kind, sg.backend)
                     self.subgraphs.append(sg)
                     self._executors[symbol] = ex
-                    tvm_ffi.register_global_func(symbol, self._make_delegate(ex, sg, len(order["inputs"]), self._copy),
-                                                 override=True)
+                    tvm_ffi.register_global_func(symbol, self._make_delegate(ex, sg, len(order["inputs"]),
+                                                                             self._copy), override=True)
                     break
                 else:
                     raise RuntimeError_(f"no executor can run {symbol}: " + "; ".join(reasons))
+        # on the GPU path only the orders its library calls (onnxruntime's) are built first; the
+        # others (ACL's, for the CPU library) when the GPU part does not load
+        delegated = [p for p in self.manifest.get("partitions", []) if p.get("delegate")]
+        on_gpu = set(gpu_entry.get("orders") or ()) if self.gpu_found is not None and "orders" in gpu_entry \
+            else None
+        later = [p for p in delegated if on_gpu is not None and p["symbol"] not in on_gpu]
+        try:
+            build_orders([p for p in delegated if p not in later])
             self._tail_session = self._tail(bundle)
             self._tvm = tvm
             if self.gpu_found is not None:
                 self._load_gpu(bundle, gpu_entry, VirtualMachine)
             if self.gpu_found is None:
+                build_orders(later)
                 lib_path = workdir / f"{self.target}.so"
                 lib_path.write_bytes(bundle.library(self.manifest["targets"][self.target]["lib"]))
                 self.dev = tvm.cpu()
