@@ -24,6 +24,7 @@ def test_each_gpu_target_carries_cubins_for_its_sm_and_no_cuda_source_or_ptx(bun
     with hmod.open_bundle(bundle) as b:
         entry = b.manifest["targets"][target]
         assert entry["gpu"]["libs"] == {f"sm_{sm}": f"gpu/{target}.sm_{sm}.so.z"}
+        assert entry["gpu"]["orders"] == []    # ACL's regions run inside it: no order is called out to
         lib = b.library(entry["gpu"]["libs"][f"sm_{sm}"])
         assert b.library(entry["lib"])[:4] == gpu.ELF_MAGIC     # the CPU lib stays: the fallback
     at = lib.find(gpu.ELF_MAGIC, 1)
