@@ -69,6 +69,18 @@ def _onnx(source: str) -> Path:
     return wild.fetch(name)
 
 
+def _reference(model: Path, manifest: dict):
+    """onnxruntime's CPU session of ``model`` as the compiler read it (normalised, its inputs pinned
+    to the bundle's shapes: a placeholder input shape in the file would refuse the real one)."""
+    import onnxruntime as ort
+
+    from tandoor_compiler import frontend
+
+    pins = [f"{i['name']}=" + "x".join(str(d) for d in i["shape"]) for i in manifest["inputs"]]
+    proto = frontend.load(model, pins).proto
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
 def check(bundle: Path, model: Path | None = None) -> dict:
     """The compile half on one bundle: every GPU library's cubins are for its SM (ELF header), and
     the bundle runs here through its CPU library, saying why the GPU part did not run, with outputs
@@ -94,10 +106,8 @@ def check(bundle: Path, model: Path | None = None) -> dict:
             out["gpu"] = module.gpu()
             cases = [(ins, want, t) for (ins, want), t in zip(b.golden(), agreement.golden_ties(b) or [None] * 9)]
             if model is not None:
-                import onnxruntime as ort
-
                 ins = [probe.random_input(np.random.default_rng(11), i) for i in b.manifest["inputs"]]
-                sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+                sess = _reference(model, b.manifest)
                 cases.append((ins, sess.run(None, {i["name"]: a for i, a in zip(b.manifest["inputs"], ins)}), None))
             for ins, want, ties in cases:
                 v = agreement.compare(module.run(ins), want, b.manifest, agreement.path_of(module.describe()), ties)
@@ -144,7 +154,6 @@ def _size(path: Path) -> int:
 
 def prepare(out: Path, budget: int = BUDGET, names: list[str] | None = None, python: str = GPU_PYTHON) -> dict:
     import numpy as np
-    import onnxruntime as ort
 
     from tandoor_compiler.pipeline import compile_model
     from tandoor_contract import hmod, probe
@@ -172,7 +181,7 @@ def prepare(out: Path, budget: int = BUDGET, names: list[str] | None = None, pyt
         with hmod.open_bundle(bundle) as b:
             ins = [probe.random_input(np.random.default_rng(11), i) for i in b.manifest["inputs"]]
             names_in = [i["name"] for i in b.manifest["inputs"]]
-        want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, dict(zip(names_in, ins)))
+            want = _reference(model, b.manifest).run(None, dict(zip(names_in, ins)))
         np.savez(out / "bundles" / f"{name}.ref.npz", **{f"in{j}": a for j, a in enumerate(ins)},
                  **{f"out{j}": a for j, a in enumerate(want)})
         plan["models"].append({"name": name, "source": source, "torch": torch_net, "compile_s": round(seconds, 1),
