@@ -264,7 +264,8 @@ def run_bundles(staged: Path, runs: int) -> list[dict]:
                         row.update(max_abs_err=worst, ok=not misses,
                                    misses=misses, atol=agreement.tolerance(b.manifest.get("tolerance"), "", "").atol)
                     x = cases[-1][0]
-                    row[f"{where}_ms"] = _median_ms(lambda: module.run(x), runs if where == "gpu" else max(3, runs // 10))
+                    row[f"{where}_ms"] = _median_ms(lambda m=module, x=x: m.run(x),
+                                                    runs if where == "gpu" else max(3, runs // 10))
                 finally:
                     module.close()
         say(f"{m['name']}: {row['gpu_said']}, max abs err {row['max_abs_err']:.3g}, "

@@ -192,7 +192,7 @@ def _packer(sm: str):
         path.write_text(f'#ifdef __cplusplus\nextern "C" {{\n#endif\n'
                         f"extern const unsigned char {name}[];\n"
                         f"const unsigned char {name}[{len(blob)}] = {{\n" + ",\n".join(rows) + "\n};\n"
-                        f"#ifdef __cplusplus\n}}\n#endif\n")
+                        "#ifdef __cplusplus\n}\n#endif\n")
         return str(path)
 
     return pack
@@ -221,7 +221,7 @@ def build_gpu(mod: tvm.IRModule, llvm: dict, cross_cc: str | None, sms: tuple[st
         hatch.check_runtime(calls, provided)
         path = out_dir / f"{name}.{sm}.so"
         triple = host.get("mtriple")
-        fcompile = cc.cross_compiler(cross_cc, get_target_triple=lambda: triple) if cross_cc else None
+        fcompile = cc.cross_compiler(cross_cc, get_target_triple=lambda t=triple: t) if cross_cc else None
         ex.export_library(str(path), fcompile=fcompile, fpack_imports=_packer(sm), options=LINK_OPTIONS)
         found = gpu_contract.cubins(path.read_bytes())
         if not found:       # every op of the TVM part was delegated: no kernel for the GPU to run
