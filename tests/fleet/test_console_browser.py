@@ -3,8 +3,8 @@ selenium), one browser session for every check: mosquitto, `tandoor fleet consol
 (telemetry, snapshots), three simulated agents (scripts/fleet-sim.py: the real updater and slot
 store) and a device with a hostile name. In the page: the rows and counts, a chart with points, a
 snapshot that decodes, a device going offline within seconds without a reload, a deploy started
-from the page reaching committed on every device, the hostile name shown as text. Screenshots go
-to ``$TANDOOR_SCREENSHOTS`` (default: the test's tmp dir)."""
+from the page reaching committed on every device, one from the CLI listed beside it, the hostile
+name shown as text. Screenshots go to ``$TANDOOR_SCREENSHOTS`` (default: the test's tmp dir)."""
 
 from __future__ import annotations
 
@@ -179,7 +179,8 @@ def test_the_console_in_a_real_browser(tmp_path, B):
             assert r.returncode == 0, r.stderr[-2000:]
             cli_job = json.loads(r.stdout)["job_id"]
             driver.get(f"{console.url}/deployments")
-            wait.until(lambda d: cli_job in d.find_element(By.CSS_SELECTOR, "table.jobs").text)
+            wait.until(lambda d: f"{cli_job} " in d.find_element(By.CSS_SELECTOR, "table.jobs").text
+                       and "3 committed" in d.find_element(By.CSS_SELECTOR, "table.jobs").text)  # the acks, live
             jobs_text = driver.find_element(By.CSS_SELECTOR, "table.jobs").text
             assert f"{cli_job} " in jobs_text and "the CLI" in jobs_text and "3 committed" in jobs_text, jobs_text
             browser_s = time.monotonic() - t_browser
