@@ -4,8 +4,9 @@ One paho client per broker (a console may read several brokers, each holding a s
 devices) subscribes to ``$share/<group>/<prefix>/+/<leaf>`` for every leaf of ``LEAVES`` (MQTT 5
 shared subscriptions: consoles of one group split the messages). Shared subscriptions get no
 retained messages, so at every connect the client also subscribes plainly to the retained leaves
-for ``RETAINED_S`` seconds (the fleet as it is now; a live message that subscription also
-delivers, told apart by its MQTT 5 subscription identifier, is dropped: the shared one has it).
+for ``RETAINED_S`` seconds (the fleet as it is now). Each message is taken from one of them only,
+told apart by the MQTT 5 subscription identifier: retained ones from the plain subscription, live
+ones from the shared one (mosquitto also sends retained messages to shared subscriptions).
 
 Every payload is checked against its leaf's size limit and parsed (JSON object, or a JPEG for
 snapshots); a bad one is one log line and a counter, never an exception out of the callback.
@@ -122,8 +123,11 @@ class BrokerLink:
 
     def _on_message(self, client, userdata, msg) -> None:
         ids = getattr(getattr(msg, "properties", None), "SubscriptionIdentifier", None) or []
-        if RETAINED_SUB_ID in (ids if isinstance(ids, list) else [ids]) and not msg.retain:
-            return      # a live message on the retained-snapshot subscription: the shared one has it
+        on_plain = RETAINED_SUB_ID in (ids if isinstance(ids, list) else [ids])
+        if on_plain != bool(msg.retain):
+            # a live message on the plain subscription (the shared one has it), or a retained one on
+            # the shared subscription (mosquitto sends those too; the plain one has it)
+            return
         if msg.topic.endswith("/" + protocol.RESULTS):   # the latest result is what a page shows: one per period
             now = time.monotonic()
             if now - self._result_at.get(msg.topic, -RESULTS_EVERY_S) < RESULTS_EVERY_S:
