@@ -92,7 +92,7 @@ class Store:
             try:
                 return psycopg.connect(self.url, connect_timeout=10)
             except psycopg.Error as e:
-                raise StoreError(f"cannot connect to PostgreSQL at {_redact(self.url)}: {str(e).strip()}") from None
+                raise StoreError(f"cannot connect to PostgreSQL at {_redact(self.url)}: {_one_line(e)}") from None
         try:
             if self.path.parent and not self.path.parent.exists():
                 raise StoreError(f"cannot open the database {self.path}: its directory does not exist")
