@@ -111,7 +111,7 @@ def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align,
     """The manifest's ``preprocess`` that `tandoor compile` would record for these flags."""
     from tandoor_compiler import pipeline
 
-    from .cli import _floats
+    from .cli_base import floats as _floats
 
     opts = pipeline.Options(mean=_floats(mean, "--mean"), std=_floats(std, "--std"), layout=layout, bgr=bgr,
                             resize=resize, letterbox_align=letterbox_align, pad_value=pad_value,
