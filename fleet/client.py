@@ -415,10 +415,3 @@ class Fleet:
         for d in devices:
             self.publish(d, protocol.topic(self.prefix, d, protocol.UPDATE_KEYS), data)
         return self._collect(devices, lambda d: self.key_acks.get((d, body["id"])), timeout)
-
-    # ------------------------------------------------------------------------------- deploy
-    def deploy(self, bundle: Path, devices: list[str] | None = None, **options: Any) -> dict[str, Any]:
-        """A staged rollout of ``bundle`` (see rollout.Rollout for the options)."""
-        from .rollout import Rollout
-
-        return Rollout(self, bundle, devices=devices, **options).run()

@@ -477,3 +477,9 @@ class Rollout:
             if worst is None or p > worst[1]:
                 worst = (d, p)
         return worst
+
+
+def deploy(fleet: Fleet, bundle: Path, devices: list[str] | None = None, **options: Any) -> dict[str, Any]:
+    """A staged rollout of ``bundle`` to ``devices`` (all known when None) over a connected
+    ``fleet`` (see :class:`Rollout` for the options); its summary."""
+    return Rollout(fleet, bundle, devices=devices, **options).run()

@@ -340,6 +340,7 @@ class SysWatch:
 def run_sim(args) -> dict:
     from support.mosquitto import Broker
 
+    from tandoor_fleet import rollout
     from tandoor_fleet.rollout import Fleet
 
     work = Path(tempfile.mkdtemp(prefix="tnd-fleetsim-"))
@@ -374,11 +375,11 @@ def run_sim(args) -> dict:
                         if args.verbose or "wave" in m or "canary" in m or "abort" in m:
                             print(line, file=sys.stderr, flush=True)
 
-                    res = f.deploy(B["v2"], sim.ids, canary_pct=args.canary, max_failures=args.max_failures,
-                                   latency_budget_ms=args.latency_budget_ms, timeout=args.timeout,
-                                   chunk_size=args.chunk_size, wave_size=args.wave_size, progress=progress,
-                                   transport=args.transport,
-                                   serve="127.0.0.1:0" if args.transport == "url" else None)
+                    res = rollout.deploy(f, B["v2"], sim.ids, canary_pct=args.canary, max_failures=args.max_failures,
+                                         latency_budget_ms=args.latency_budget_ms, timeout=args.timeout,
+                                         chunk_size=args.chunk_size, wave_size=args.wave_size, progress=progress,
+                                         transport=args.transport,
+                                         serve="127.0.0.1:0" if args.transport == "url" else None)
                     host_cpu = time.process_time() - cpu0
                     after = watch.snapshot()
                     per = {d: f.per_device.get(d, {}) for d in sim.ids}

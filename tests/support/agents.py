@@ -217,11 +217,11 @@ def start_agent(wd: Path, dev: str, cfg: Path, rec: Recorder, env: dict | None =
 
 def deploy(port: int, bundle: Path, devices: list[str], timeout: float = 240, **kw) -> dict:
     """A rollout from the host side (tandoor_fleet), as `tandoor fleet deploy` runs it."""
-    from tandoor_fleet.rollout import Fleet
+    from tandoor_fleet import rollout
 
-    f = Fleet(f"mqtt://127.0.0.1:{port}").connect()
+    f = rollout.Fleet(f"mqtt://127.0.0.1:{port}").connect()
     try:
-        return f.deploy(bundle, devices, timeout=timeout, chunk_size=kw.pop("chunk_size", CHUNK), **kw)
+        return rollout.deploy(f, bundle, devices, timeout=timeout, chunk_size=kw.pop("chunk_size", CHUNK), **kw)
     finally:
         f.close()
 
