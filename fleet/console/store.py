@@ -68,8 +68,8 @@ class Store:
         self.url = url
         self.dialect = "postgres" if url.startswith(("postgresql://", "postgres://")) else "sqlite"
         # sqlite:///abs/path.db, sqlite://rel/path.db, or a plain path
-        self.path = None if self.dialect == "postgres" else Path(
-            url[len("sqlite://"):] if url.startswith("sqlite://") else url)
+        rest = url[len("sqlite://"):] if url.startswith("sqlite://") else url
+        self.path = None if self.dialect == "postgres" else Path("/" + rest.lstrip("/") if rest.startswith("//") else rest)
         self.raw_hours, self.rollup_days = raw_hours, rollup_days
         self._local = threading.local()
         self.write_error: str | None = None     # the last failed write (shown on every page), None when writes work

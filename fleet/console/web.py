@@ -81,8 +81,12 @@ class Console:
 
     # ---------------------------------------------------------------------- live updates
     def _changed_threadsafe(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._bump()))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._bump()))
+            except RuntimeError:    # closed between the check and the call: the server is stopping
+                pass
 
     async def _bump(self) -> None:
         self.version += 1
@@ -262,14 +266,23 @@ class Console:
         await resp.prepare(request)
         seen = -1
         last_health = None
+        last_write = time.monotonic()
         try:
             while True:
+                # a browser that left the page: end, so its connection does not count against the
+                # browser's few connections per host (queued page loads and form posts behind it)
+                if request.transport is None or request.transport.is_closing():
+                    break
+                if time.monotonic() - last_write > SSE_HEARTBEAT_S:
+                    await resp.write(b": keep-alive\n\n")
+                    last_write = time.monotonic()
                 h = self.health()
                 hs = json.dumps({"stale_since": h["stale_since"], "db_error": h["db_error"],
                                  "brokers": [(b["name"], b["connected"]) for b in h["brokers"]]})
                 if self.version != seen:
                     seen = self.version
                     await resp.write(f"event: changed\ndata: {seen}\n\n".encode())
+                    last_write = time.monotonic()
                 if hs != last_health:
                     last_health = hs
                     await resp.write(f"event: health\ndata: {hs}\n\n".encode())
@@ -382,9 +395,11 @@ class Console:
             finally:
                 f.close()
         try:
-            await asyncio.get_running_loop().run_in_executor(None, go)
+            out = await asyncio.get_running_loop().run_in_executor(None, go)
         except (FleetError, OSError) as e:
             return self.render(request, "error.html", status=400, message=f"cancel failed: {e}")
+        log.info("cancel of job %s by %s: %s", job, who,
+                 ", ".join(f"{d} {a.get('state')}" for d, a in out.items())[:500] or "no device runs it")
         raise web.HTTPSeeOther(f"/deployments/{quote(job, safe='')}")
 
     async def act_rollback(self, request):
@@ -400,8 +415,11 @@ class Console:
                 return actions.rollback(f, devices, self.store, who, timeout=60)
             finally:
                 f.close()
+        t0 = time.monotonic()
         try:
-            await asyncio.get_running_loop().run_in_executor(None, go)
+            out = await asyncio.get_running_loop().run_in_executor(None, go)
         except (FleetError, OSError) as e:
             return self.render(request, "error.html", status=400, message=f"rollback failed: {e}")
+        log.info("rollback of %s by %s: %s in %.1f s", ", ".join(devices)[:500], who,
+                 ", ".join(f"{d} {'ok' if a.get('ok') else 'FAILED'}" for d, a in out.items())[:500], time.monotonic() - t0)
         raise web.HTTPSeeOther(f"/device/{quote(devices[0], safe='')}" if len(devices) == 1 else "/")

@@ -3,8 +3,8 @@ selenium), one browser session for every check: mosquitto, `tandoor fleet consol
 (telemetry, snapshots), three simulated agents (scripts/fleet-sim.py: the real updater and slot
 store) and a device with a hostile name. In the page: the rows and counts, a chart with points, a
 snapshot that decodes, a device going offline within seconds without a reload, a deploy started
-from the page reaching committed on every device, one from the CLI listed beside it, the hostile
-name shown as text. Screenshots go to ``$TANDOOR_SCREENSHOTS`` (default: the test's tmp dir)."""
+from the page reaching committed on every device, one from the CLI listed beside it, a rollback from
+the device page answered within the wait, the hostile name shown as text. Screenshots go to ``$TANDOOR_SCREENSHOTS`` (default: the test's tmp dir)."""
 
 from __future__ import annotations
 
@@ -183,6 +183,12 @@ def test_the_console_in_a_real_browser(tmp_path, B):
                        and "3 committed" in d.find_element(By.CSS_SELECTOR, "table.jobs").text)  # the acks, live
             jobs_text = driver.find_element(By.CSS_SELECTOR, "table.jobs").text
             assert f"{cli_job} " in jobs_text and "the CLI" in jobs_text and "3 committed" in jobs_text, jobs_text
+            # a rollback from the device page (its form post once queued ~50 s behind the event streams
+            # of pages left earlier, each holding one of the browser's 6 connections to the host)
+            driver.get(f"{console.url}/device/cam1")
+            driver.find_element(By.CSS_SELECTOR, "form[action='/actions/rollback'] button").click()
+            wait.until(lambda d: "rollback from the console (op): ok" in d.find_element(By.CSS_SELECTOR, "table.events").text)
+            wait.until(lambda d: "dynamic_batch v1 " in d.find_element(By.CSS_SELECTOR, "table.kv").text)
             browser_s = time.monotonic() - t_browser
             print(f"\nbrowser checks {browser_s:.1f} s (offline shown {offline_s:.2f} s after the kill), "
                   f"whole test {time.monotonic() - t_start:.1f} s; screenshots in {shots}")

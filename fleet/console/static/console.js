@@ -83,6 +83,8 @@
     health.textContent = parts.join(" ");
     health.className = parts.length ? "warn" : "hidden";
   });
+  // close it when leaving: an open stream holds one of the browser's few connections to the host
+  window.addEventListener("pagehide", () => es.close());
   es.onopen = () => { conn.textContent = "live"; };
   es.onerror = () => { conn.textContent = "console unreachable: retrying"; };
   setInterval(ages, 1000);
