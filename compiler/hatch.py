@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -41,7 +42,7 @@ from tandoor_contract import orders, probe
 
 from .errors import CompileError
 from .frontend import ONNX_DTYPES as _DTYPES
-from .normalise import reads
+from .normalise import Context, reads, sort_nodes
 
 DOMAIN = "ai.tandoor"          # the placeholder's domain: no ONNX op set uses it
 PLACEHOLDER = "OnnxruntimeOrder"
@@ -432,6 +433,10 @@ def _with_placeholders(model: onnx.ModelProto, groups: list[Group]) -> onnx.Mode
             out.graph.node.append(n)
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    # a node reading an earlier member's output may stand before the last one (a dynamically
+    # quantized net: one DynamicQuantizeLinear feeding two ConvIntegers, the first one's Cast
+    # between them); groups are convex (merge), so a stable topological sort orders them
+    sort_nodes(out, Context(Path(model.graph.name or "model"), {}))
     tail = next((g for g in groups if g.tail), None)
     if tail is not None:
         codes = {v: k for k, v in _DTYPES.items()}

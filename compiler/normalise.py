@@ -12,11 +12,10 @@ exit 2) when the model cannot be made importable. ``STEPS`` runs in this order:
     drop_trailing_empty_inputs  optional inputs left empty ("") at the end of a node's inputs
                                 dropped (onnxruntime's Squeeze fails on an empty axes)
     upgrade_old_opset           opsets < 7 have ops no onnxruntime runs (AveragePool-1,
-                                BatchNormalization-6, Gemm-6), and ops in their old attribute
-                                forms (Slice-1, Pad-2, Clip-6, Upsample, Resize-10, Split-2,
-                                Squeeze-1 ...: ATTRIBUTE_FORMS) TVM's importer misreads: onnx's
-                                version converter to 13 (first: it needs IR 3's weights still
-                                listed as inputs)
+                                BatchNormalization-6, Gemm-6), and ops in old attribute forms
+                                TVM's importer misreads (Slice-1, Upsample, Resize-10:
+                                ATTRIBUTE_FORMS): onnx's version converter to 13 (first: it
+                                needs IR 3's weights still listed as inputs)
     initializers_out_of_inputs  IR-3/IR-4 files list every weight as a graph input too
                                 (onnx-simplifier and onnxruntime treat them as constants)
     constants_to_initializers   weights as Constant nodes (paddle2onnx) -> initializers, so that
@@ -178,22 +177,17 @@ def initializers_out_of_inputs(model: onnx.ModelProto, ctx: Context) -> None:
                          "treated as constants")
 
 
-# Ops whose attributes became inputs (or whose op was replaced) at the opset given: TVM 0.27's
-# importer implements only the newer form of each (its Slice has only _impl_v13, which reads
-# starts/ends from inputs an opset-9 Slice does not have: "Cannot cast NoneType to list of
-# Expr"; its Resize only _impl_v18, which reads Resize-10's scales as roi), and picks that
-# form for an older model too. A model below the opset for one of its ops is upgraded.
+# Ops whose attributes became inputs (or that were replaced) at the opset given, of which TVM
+# 0.27's importer reads only the newer form, and picks it for an older model too: its Slice has
+# only _impl_v13, which reads starts/ends from inputs an opset-9 Slice does not have ("Cannot
+# cast NoneType to list of Expr"); its Upsample only _impl_v9 (scales an input) and its Resize
+# only _impl_v18 (which reads Resize-10's scales as roi). A model below the opset for one of its
+# ops is upgraded. (Its Pad-2, Clip-6, Split-2, Squeeze/Unsqueeze-1, ReduceX and TopK-1
+# converters read the attribute forms: tests/compiler/test_old_forms.py.)
 ATTRIBUTE_FORMS: dict[str, int] = {
     "Slice": 10,        # starts/ends/axes attributes -> inputs (steps added)
-    "Pad": 11,          # pads/value attributes -> inputs
-    "Clip": 11,         # min/max attributes -> optional inputs
-    "Upsample": 10,     # deprecated: Resize (its scales an input from 9)
+    "Upsample": 10,     # scales an attribute before 9; deprecated for Resize at 10
     "Resize": 11,       # Resize-10 has no roi input: scales is its second
-    "TopK": 10,         # k attribute -> input
-    "Split": 13,        # split attribute -> input
-    "Squeeze": 13,      # axes attribute -> input
-    "Unsqueeze": 13,
-    "ReduceSum": 13,    # axes attribute -> input (the other ReduceX at 18; TVM reads both forms)
 }
 
 
@@ -227,10 +221,11 @@ def upgrade_old_opset(model: onnx.ModelProto, ctx: Context) -> None:
         return
     ops = old_forms(model)
     if ops:
-        ctx.notes.append(upgrade_opset(model, UPGRADE_TO, ctx.path.name,
-                                       f"writes {', '.join(ops)} in an attribute form TVM's importer does not read; "
-                                       f"re-export the model with opset >= {UPGRADE_TO}")
-                         + f" (old attribute forms of {', '.join(ops)})")
+        try:
+            ctx.notes.append(upgrade_opset(model, UPGRADE_TO, ctx.path.name, "could not be upgraded")
+                             + f" (old attribute forms of {', '.join(ops)})")
+        except CompileError as err:     # onnxruntime runs it as it is: TVM's import names the op if it must
+            ctx.notes.append(f"old attribute forms of {', '.join(ops)} left as they are: {err}")
 
 
 def upgrade_opset(model: onnx.ModelProto, to: int, name: str, why: str) -> str:
@@ -246,7 +241,21 @@ def upgrade_opset(model: onnx.ModelProto, to: int, name: str, why: str) -> str:
         raise CompileError(f"{name}: opset {v} {why} (onnx's version converter could not upgrade it: "
                            f"{one_line(err)})") from None
     model.CopyFrom(up)
+    if v < 11:
+        _resize10_semantics(model)
     return f"opset {v} upgraded to {to} with onnx's version converter"
+
+
+def _resize10_semantics(model: onnx.ModelProto) -> None:
+    """Upsample and Resize-10 map output to input pixels asymmetrically (x_in = x_out / scale) and
+    round nearest neighbours down; Resize-11's defaults are half_pixel and round_prefer_floor. onnx's
+    version converter writes Resize-11 without saying so (a linear x2 moved by up to 0.96): say it."""
+    for node in model.graph.node:
+        if node.op_type != "Resize" or any(a.name == "coordinate_transformation_mode" for a in node.attribute):
+            continue
+        node.attribute.append(onnx.helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
+        if not any(a.name == "nearest_mode" for a in node.attribute):
+            node.attribute.append(onnx.helper.make_attribute("nearest_mode", "floor"))
 
 
 def _prelu6_slopes_per_channel(model: onnx.ModelProto) -> None:

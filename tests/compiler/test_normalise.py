@@ -77,7 +77,7 @@ def _old_forms(opset):
     onnxruntime runs them in: Slice-1, Pad-2, Clip-6, Upsample (scales an attribute before 9),
     ReduceX axes, Split-2, Squeeze-1/Unsqueeze-1."""
     up = ([N("Upsample", ["c"], ["u"], scales=[1.0, 1.0, 2.0, 2.0])] if opset < 9 else
-          [N("Upsample", ["c", "sc"], ["u"])] if opset < 10 else [N("Resize", ["c", "sc"], ["u"])])
+          [N("Upsample", ["c", "sc"], ["u"], mode="linear")] if opset < 10 else [N("Resize", ["c", "sc"], ["u"])])
     sl = (N("Slice", ["x"], ["s"], starts=[1, 2], ends=[7, 1000], axes=[2, 3]) if opset < 10 else
           N("Slice", ["x", "st", "en", "ax"], ["s"]))       # Slice-10 takes inputs; Pad, Clip still attributes
     nodes = [sl,
@@ -89,6 +89,12 @@ def _old_forms(opset):
     return _model(nodes, {"x": [1, 4, 8, 8]}, {"y": [1, 2, 18, 1]},
                   {"sc": np.array([1, 1, 2, 2], np.float32), "st": np.array([1, 2]), "en": np.array([7, 1000]),
                    "ax": np.array([2, 3])} if opset >= 9 else {}, opset=opset)
+
+
+def _resize10(opset):
+    """Resize-10 (no roi: its second input is scales), which TVM's importer reads as roi."""
+    return _model([N("Resize", ["x", "sc"], ["y"], mode="linear")], {"x": [1, 3, 4, 4]}, {"y": [1, 3, 8, 8]},
+                  {"sc": np.array([1, 1, 2, 2], np.float32)}, opset=opset)
 
 
 def _empty_optional(opset):
@@ -178,7 +184,8 @@ TRIGGERS = {   # step -> [(trait, model(opset), opsets, --input pins)]
     "sort_nodes": [("unsorted", _unsorted, OPSETS, {})],
     "ir3_weights_not_inputs": [("ir3 weights not inputs", lambda o: _conv_relu(o, ir=3), (7, 8), {})],
     "drop_trailing_empty_inputs": [("empty optional inputs", _empty_optional, (13, 17), {})],
-    "upgrade_old_opset": [("opset6", _opset6, (6,), {}), ("old attribute forms", _old_forms, (7, 9, 10), {})],
+    "upgrade_old_opset": [("opset6", _opset6, (6,), {}), ("old attribute forms", _old_forms, (7, 9, 10), {}),
+                          ("resize-10", _resize10, (10,), {})],
     "initializers_out_of_inputs": [("ir4", lambda o: _conv_relu(o, ir=4, inits_as_inputs=True), (9, 11), {})],
     "constants_to_initializers": [("constant weights", _constants, OPSETS, {})],
     "refuse_training_only_ops": [],         # it refuses or leaves the model alone: test below

@@ -20,11 +20,15 @@ N = helper.make_node
 
 
 def _float_net():
+    """Two convs reading one activation (quantize_dynamic gives them one DynamicQuantizeLinear:
+    the PP-OCRv3 detector's trait that left a Cast before its onnxruntime order's placeholder)."""
     nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["r1"]),
-             N("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]), N("Relu", ["c2"], ["r2"]),
+             N("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             N("Conv", ["r1", "w3"], ["c3"], strides=[2, 2]), N("Add", ["c2", "c3"], ["s"]), N("Relu", ["s"], ["r2"]),
              N("GlobalAveragePool", ["r2"], ["g"]), N("Flatten", ["g"], ["f"]), N("MatMul", ["f", "fc"], ["y"])]
     return model(nodes, {"x": [1, 3, 16, 16]}, {"y": [1, 10]},
-                 {"w1": _w(8, 3, 3, 3), "b1": _w(8), "w2": _w(16, 8, 3, 3), "b2": _w(16), "fc": _w(16, 10)}, opset=13)
+                 {"w1": _w(8, 3, 3, 3), "b1": _w(8), "w2": _w(16, 8, 3, 3), "b2": _w(16), "w3": _w(16, 8, 1, 1),
+                  "fc": _w(16, 10)}, opset=13)
 
 
 class _Frames(CalibrationDataReader):
