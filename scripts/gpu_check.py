@@ -42,11 +42,11 @@ GPU_PYTHON = "3.12"
 # the order they are carried while the budget lasts; a wild model's input pins are its WildModel's
 MODELS = [
     ("mobilenet_v2", "zoo:mobilenet_v2", ("zoo", "MobileNetV2", 1, {})),
-    ("resnet18_half", "zoo:resnet18", ("zoo", "ResNet18", 2, {"base": 32})),
-    ("squeezenet11", "zoo:squeezenet11", None),
     ("yolov8n_320", "wild:yolov8n_320", None),
+    ("resnet18_half", "zoo:resnet18", ("zoo", "ResNet18", 2, {"base": 32})),
     ("centerface", "wild:centerface", None),
     ("ppocr_det", "wild:ppocr_det", None),
+    ("squeezenet11", "zoo:squeezenet11", None),
     ("picodet_layout", "wild:picodet_layout", None),
     ("efficientnet_lite0", "zoo:efficientnet_lite0", None),
     ("yolox_det", "wild:yolox_det", None),
@@ -70,6 +70,16 @@ def _onnx(source: str) -> tuple[Path, list[str]]:
     return wild.fetch(name), list(wild.MODELS[name].inputs)
 
 
+def random_inputs(manifest: dict) -> list:
+    """The check's random input, made alike on both machines (only the references travel)."""
+    import numpy as np
+
+    from tandoor_contract import probe
+
+    rng = np.random.default_rng(11)
+    return [probe.random_input(rng, i) for i in manifest["inputs"]]
+
+
 def _reference(model: Path, manifest: dict):
     """onnxruntime's CPU session of ``model`` as the compiler read it (normalised, its inputs pinned
     to the bundle's shapes: a placeholder input shape in the file would refuse the real one)."""
@@ -86,10 +96,9 @@ def check(bundle: Path, model: Path | None = None) -> dict:
     """The compile half on one bundle: every GPU library's cubins are for its SM (ELF header), and
     the bundle runs here through its CPU library, saying why the GPU part did not run, with outputs
     within its promise (golden pairs; and ``model``'s onnxruntime outputs on a random input)."""
-    import numpy as np
 
     from tandoor_agent.run.runtime import HybridModule
-    from tandoor_contract import agreement, gpu, hmod, probe
+    from tandoor_contract import agreement, gpu, hmod
 
     out = {"bundle": bundle.name, "cubins": {}}
     with hmod.open_bundle(bundle) as b:
@@ -107,7 +116,7 @@ def check(bundle: Path, model: Path | None = None) -> dict:
             out["gpu"] = module.gpu()
             cases = [(ins, want, t) for (ins, want), t in zip(b.golden(), agreement.golden_ties(b) or [None] * 9)]
             if model is not None:
-                ins = [probe.random_input(np.random.default_rng(11), i) for i in b.manifest["inputs"]]
+                ins = random_inputs(b.manifest)
                 sess = _reference(model, b.manifest)
                 cases.append((ins, sess.run(None, {i["name"]: a for i, a in zip(b.manifest["inputs"], ins)}), None))
             for ins, want, ties in cases:
@@ -157,7 +166,7 @@ def prepare(out: Path, budget: int = BUDGET, names: list[str] | None = None, pyt
     import numpy as np
 
     from tandoor_compiler.pipeline import compile_model
-    from tandoor_contract import hmod, probe
+    from tandoor_contract import hmod
 
     if out.exists():
         shutil.rmtree(out)
@@ -184,11 +193,10 @@ def prepare(out: Path, budget: int = BUDGET, names: list[str] | None = None, pyt
             bundle.unlink()
             continue
         with hmod.open_bundle(bundle) as b:
-            ins = [probe.random_input(np.random.default_rng(11), i) for i in b.manifest["inputs"]]
+            ins = random_inputs(b.manifest)
             names_in = [i["name"] for i in b.manifest["inputs"]]
             want = _reference(model, b.manifest).run(None, dict(zip(names_in, ins)))
-        np.savez(out / "bundles" / f"{name}.ref.npz", **{f"in{j}": a for j, a in enumerate(ins)},
-                 **{f"out{j}": a for j, a in enumerate(want)})
+        np.savez_compressed(out / "bundles" / f"{name}.ref.npz", **{f"out{j}": a for j, a in enumerate(want)})
         plan["models"].append({"name": name, "source": source, "torch": torch_net, "compile_s": round(seconds, 1),
                                "bytes": bundle.stat().st_size, **facts})
     first = next((m for m in plan["models"]), None)
@@ -249,8 +257,8 @@ def run_bundles(staged: Path, runs: int) -> list[dict]:
         ref = np.load(staged / "bundles" / f"{m['name']}.ref.npz")
         with hmod.open_bundle(path) as b:
             cases = [(ins, want, t) for (ins, want), t in zip(b.golden(), agreement.golden_ties(b) or [None] * 9)]
-            cases.append(([ref[f"in{j}"] for j in range(len(b.manifest["inputs"]))],
-                          [ref[f"out{j}"] for j in range(len(b.manifest["outputs"]))], None))
+            cases.append((random_inputs(b.manifest), [ref[f"out{j}"] for j in range(len(b.manifest["outputs"]))],
+                          None))
             row["input"] = " ".join("x".join(map(str, i["shape"])) for i in b.manifest["inputs"])
             for where in ("gpu", "cpu"):
                 os.environ["TANDOOR_GPU"] = "1" if where == "gpu" else "0"
