@@ -233,8 +233,8 @@ def test_each_step_keeps_the_model_valid_for_its_opset_and_its_numbers(tmp_path,
         next(s for s in normalise.STEPS if s.name == name).run(model, ctx)
     assert model.SerializeToString() != was, f"{name} did nothing to the {trait} model"
     onnx.checker.check_model(model, full_check=True)
-    upgraded = opset < 7 or (normalise.STEPS.index(next(s for s in normalise.STEPS if s.name == name))
-                             >= [s.name for s in normalise.STEPS].index("upgrade_old_opset") and normalise.old_forms(original))
+    names = [s.name for s in normalise.STEPS]
+    upgraded = opset < 7 or (names.index(name) >= names.index("upgrade_old_opset") and normalise.old_forms(original))
     assert normalise.opset(model) == (13 if upgraded else opset)
 
     ins = [i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]

@@ -25,7 +25,8 @@ def _old_forms(opset: int):
     old = opset < 10
     sl = ([N("Slice", ["h"], ["s"], starts=[1, 2], ends=[7, 1000], axes=[2, 3])] if old else
           [N("Slice", ["h", "st", "en", "ax"], ["s"])])
-    up = [N("Upsample", ["c"], ["u"], scales=[1.0, 1.0, 2.0, 2.0], mode="linear")] if old else [N("Identity", ["c"], ["u"])]
+    up = ([N("Upsample", ["c"], ["u"], scales=[1.0, 1.0, 2.0, 2.0], mode="linear")] if old else
+          [N("Identity", ["c"], ["u"])])
     nodes = [N("Conv", ["x", "w"], ["h"], pads=[1, 1, 1, 1]), *sl,
              N("Pad", ["s"], ["p"], pads=[0, 0, 1, 2, 0, 0, 2, 1], value=0.5),
              N("Clip", ["p"], ["c"], min=-0.5, max=0.8), *up,
@@ -88,7 +89,8 @@ def test_a_face_attribute_resnet_block_matches_onnxruntime_on_tvm(tmp_path):
     nodes = [N("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1]), N("Relu", ["c0"], ["r0"]),
              N("AveragePool", ["r0"], ["ap"], kernel_shape=[2, 2], strides=[2, 2], count_include_pad=0),
              N("Pad", ["ap", "channels"], ["left"]),
-             N("Conv", ["r0", "w1"], ["c1"], strides=[2, 2]), N("Mul", ["c1", "g"], ["m1"]), N("Add", ["m1", "be"], ["a1"]),
+             N("Conv", ["r0", "w1"], ["c1"], strides=[2, 2]), N("Mul", ["c1", "g"], ["m1"]),
+             N("Add", ["m1", "be"], ["a1"]),
              N("Pad", ["a1", "corner"], ["right"]), N("Add", ["left", "right"], ["res"]), N("Relu", ["res"], ["r1"]),
              N("AveragePool", ["r1"], ["p2"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
                count_include_pad=1, ceil_mode=1),
