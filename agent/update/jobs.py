@@ -587,7 +587,7 @@ class Updater(Transfer, Finals):
         if report is None:
             return
         self.deadlines.measured(getattr(report, "load_s", None))
-        hrep = {k: getattr(report, k, None) for k in ("p95_ms", "median_ms", "golden_max_abs_err", "frames",
+        hrep = {k: getattr(report, k, None) for k in ("p95_ms", "p99_ms", "median_ms", "golden_max_abs_err", "frames",
                                                           "errors", "seconds", "load_s")}
         sha = job.offer["sha256"]
         if not settle(self.store, report):  # the verdict decides: commit, or roll back with its reason
@@ -664,8 +664,10 @@ class Updater(Transfer, Finals):
                 raise health.CheckStopped("the agent is stopping")
             timeout, why = self.deadlines.health()
             log.info("job %s: health gate, at most %g s (%s)", job.id, timeout, why)
+            # the p99 budget only when the offer has one: a gate that predates it takes the offer as before
+            p99 = {"p99_budget_ms": job.offer["p99_budget_ms"]} if job.offer.get("p99_budget_ms") is not None else {}
             return self.gate(self.store, self.trusted_keys, latency_budget_ms=job.offer.get("latency_budget_ms"),
-                             frames=job.offer["health_frames"], delegate=self.delegate, timeout_s=timeout)
+                             frames=job.offer["health_frames"], delegate=self.delegate, timeout_s=timeout, **p99)
         except health.CheckStopped:
             log.warning("job %s: the health check was ended by the stop; the trial is rolled back at the next start",
                         job.id)

@@ -108,7 +108,11 @@ def parse_offer(payload: bytes) -> dict[str, Any]:
         o["_deadline"] = parse_deadline(o.get("deadline"))
     except (ValueError, TypeError) as e:
         raise bad(f"deadline: {e}") from None
-    opt_number("latency_budget_ms", 0, 1e9)
+    p95_budget = opt_number("latency_budget_ms", 0, 1e9)
+    p99_budget = opt_number("p99_budget_ms", 0, 1e9)
+    if p95_budget is not None and p99_budget is not None and p99_budget < p95_budget:
+        raise bad(f"p99_budget_ms {p99_budget:g} is below latency_budget_ms {p95_budget:g} (the p95 budget): "
+                  "a p99 is never under its p95")
     o["_stall_s"] = opt_number("stall_timeout_s", 0, MAX_STALL_S)
     o["_issued"] = opt_number("issued", 0, 1e11) or 0.0
     hf = o.get("health_frames", 20)

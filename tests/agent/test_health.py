@@ -115,6 +115,50 @@ def test_latency_over_budget_fails(B, keys):
     assert health_check(B["good"], [keys["k1.pub"]], delegate=DELEGATE, latency_budget_ms=60_000, frames=5).ok
 
 
+class Stalls:
+    """The real module with one frame stalled by ``stall_s`` (a runtime whose threads collide now
+    and then): the median and p95 stay the model's, the p99 is the stall's."""
+
+    def __init__(self, bundle, delegate="auto", stall_s=0.2, at=12):
+        self.m, self.stall_s, self.at, self.calls = HybridModule(bundle, delegate=delegate), stall_s, at, 0
+
+    def run(self, inputs):
+        self.calls += 1
+        if self.calls == self.at:
+            import time
+
+            time.sleep(self.stall_s)
+        return self.m.run(inputs)
+
+    def describe(self):
+        return self.m.describe()
+
+    def close(self):
+        self.m.close()
+
+
+def test_p99_over_its_budget_fails_with_the_p95_within_its_own(B, keys):
+    """One stalled frame in 20: np.percentile puts p95 at 5% of the way to it, p99 at 81%; a p95
+    budget of 100 ms passes and the same p99 budget names the p99."""
+    rep = health_check(B["good"], [keys["k1.pub"]], delegate=DELEGATE, latency_budget_ms=100, p99_budget_ms=100,
+                       frames=20, make_module=lambda b, delegate: Stalls(b, delegate))
+    assert not rep.ok and rep.golden_ok and rep.frames == 20, rep.reason
+    assert re.fullmatch(r"p99 latency [0-9.]+ ms over budget 100 ms", rep.reason), rep.reason
+    assert rep.p95_ms < 100 < 0.81 * 200 <= rep.p99_ms, (rep.p95_ms, rep.p99_ms)
+    assert rep.p99_budget_ms == 100 and rep.latency_budget_ms == 100
+    # without a p99 budget the same stall passes: the p99 is reported, not judged
+    rep = health_check(B["good"], [keys["k1.pub"]], delegate=DELEGATE, latency_budget_ms=100, frames=20,
+                       make_module=lambda b, delegate: Stalls(b, delegate))
+    assert rep.ok and rep.p99_ms >= 0.81 * 200 and "p99" in rep.summary(), rep.reason
+
+
+def test_p99_budget_reaches_the_isolated_check(B, keys):
+    """The child process gets --p99-budget-ms (the gate runs the check there)."""
+    rep = health_check_isolated(B["good"], [keys["k1.pub"]], delegate=DELEGATE, p99_budget_ms=0.001, frames=5)
+    assert not rep.ok and re.fullmatch(r"p99 latency [0-9.]+ ms over budget 0\.001 ms", rep.reason), rep.reason
+    assert rep.p99_ms >= rep.p95_ms >= rep.median_ms > 0 and rep.p99_budget_ms == 0.001
+
+
 class Flaky:
     """The real module, made to fail some frames after the golden self-test (a runtime that
     crashes on some inputs, or a model that overflows on them)."""
