@@ -8,7 +8,8 @@
                         when more than ``max_failures`` devices failed or rolled back;
       judge_canaries()  after the canaries also when a canary's p95 after the commit (its
                         telemetry with the new model after ``canary_soak_s`` s of serving; else
-                        the p95 its health gate measured) is over ``latency_budget_ms``
+                        the p95 its health gate measured) is over ``latency_budget_ms``, or its
+                        p99 (from the same source) over ``p99_budget_ms`` (none by default)
 
 Transports (the offer's ``transport``): ``mqtt``, the default: the bundle's chunks go once per
 wave on the fleet-wide topic ``<prefix>/~fleet/update/chunk/<job>/<i>`` (every device of the
@@ -80,6 +81,7 @@ class Rollout:
 
     def __init__(self, fleet: Fleet, bundle: str | Path, *, devices: list[str] | None = None,
                  canary_pct: float = 0.0, max_failures: int = 0, latency_budget_ms: float | None = None,
+                 p99_budget_ms: float | None = None,
                  timeout: float = 600.0, job_id: str | None = None, chunk_size: int = DEFAULT_CHUNK,
                  health_frames: int = 20, wave_size: int = 0, offer_retry_s: float = 5.0,
                  canary_soak_s: float = 0.0, transport: str = "mqtt", artifact_url: str | None = None,
@@ -95,7 +97,11 @@ class Rollout:
         self.fleet = fleet
         self.bundle = Path(bundle)
         self.devices = devices
+        if p99_budget_ms is not None and latency_budget_ms is not None and p99_budget_ms < latency_budget_ms:
+            raise FleetError(f"--p99-budget-ms {p99_budget_ms:g} is below --latency-budget-ms {latency_budget_ms:g} "
+                             "(the p95 budget): a p99 is never under its p95")
         self.canary_pct, self.max_failures, self.latency_budget_ms = canary_pct, max_failures, latency_budget_ms
+        self.p99_budget_ms = p99_budget_ms
         self.timeout, self.job_id, self.chunk_size = timeout, job_id, chunk_size
         self.health_frames, self.wave_size, self.offer_retry_s = health_frames, wave_size, offer_retry_s
         self.canary_soak_s, self.transport, self.artifact_url, self.serve = canary_soak_s, transport, artifact_url, serve
@@ -139,6 +145,8 @@ class Rollout:
                  "deadline": round(time.time() + self.timeout, 3), "issued": round(time.time(), 6),
                  "latency_budget_ms": self.latency_budget_ms, "health_frames": self.health_frames,
                  "model": model, "transport": self.transport}
+        if self.p99_budget_ms is not None:
+            offer["p99_budget_ms"] = self.p99_budget_ms
         if self.stall_timeout_s:
             offer["stall_timeout_s"] = self.stall_timeout_s
         if self.allow_downgrade:
@@ -419,22 +427,26 @@ class Rollout:
         return None
 
     def judge_canaries(self, wave: Wave) -> str | None:
-        """Why the rollout stops after the canaries (a p95 over the budget), or None."""
-        if self.latency_budget_ms is None:
+        """Why the rollout stops after the canaries (a p95 or a p99 over its budget), or None."""
+        budgets = {q: b for q, b in (("p95", self.latency_budget_ms), ("p99", self.p99_budget_ms)) if b is not None}
+        if not budgets:
             return None
         if self.canary_soak_s > 0:
             self.progress(f"canary soak: {self.canary_soak_s:g} s of telemetry with the new model")
         worst = self._canary_p95(wave.devices)
-        if worst is None or worst[1] <= self.latency_budget_ms:
-            return None
-        r = self.res[worst[0]]
-        how = (f"its telemetry over {r['telemetry_frames']} frame(s) since the swap"
-               if r["p95_source"] == "telemetry" else "its health gate")
-        return (f"canary {worst[0]} p95 latency {worst[1]:.3g} ms ({how}) over the budget "
-                f"{self.latency_budget_ms:g} ms")
+        for q, budget in budgets.items():          # p95 first: the reason names the budget that failed
+            if worst.get(q) is None or worst[q][1] <= budget:
+                continue
+            d, ms = worst[q]
+            r = self.res[d]
+            how = (f"its telemetry over {r['telemetry_frames']} frame(s) since the swap"
+                   if r["p95_source"] == "telemetry" else "its health gate")
+            return f"canary {d} {q} latency {ms:.3g} ms ({how}) over the budget {budget:g} ms"
+        return None
 
-    def _canary_p95(self, wave: list[str]) -> tuple[str, float] | None:
-        """The worst canary p95 (ms) after the commit, and where each number came from.
+    def _canary_p95(self, wave: list[str]) -> dict[str, tuple[str, float]]:
+        """The worst canary p95 and p99 (ms) after the commit, and where each number came from:
+        ``{"p95": (device, ms), "p99": (device, ms)}``, a key absent when no canary has the number.
 
         For each committed canary: the inference p95 of its latest telemetry about the new model
         (``model.sha256`` = the bundle's; from agents that do not send the sha, the version in a
@@ -442,12 +454,14 @@ class Rollout:
         swap, so that p95 is the new model's alone, under the real camera load. With a soak the
         canaries serve that long after the last commit before the numbers are read. A canary
         without such telemetry is judged by the p95 its health gate measured (the committed ack),
-        if any. Per canary ``res`` gets ``p95_ms_seen``, ``p95_source`` ("telemetry" | "health
-        gate") and, from telemetry, ``telemetry_frames``."""
+        if any; the p99 comes from the same source (telemetry's inference p99, the gate's
+        ``health.p99_ms``). Per canary ``res`` gets ``p95_ms_seen``, ``p99_ms_seen`` (None when its
+        source has none), ``p95_source`` ("telemetry" | "health gate") and, from telemetry,
+        ``telemetry_frames``."""
         res, final_at, plan = self.res, self._final_at, self.planned
         committed = [d for d in wave if res[d]["state"] == "committed"]
         if not committed:
-            return None
+            return {}
         end = max(final_at.get(d, 0.0) for d in committed) + self.canary_soak_s
         while time.time() < end:
             time.sleep(min(0.2, max(0.0, end - time.time())))
@@ -462,20 +476,22 @@ class Rollout:
             inf = ((tel or {}).get("latency_ms") or {}).get("inference") or {}
             return inf if ok and inf.get("p95") is not None and inf.get("count") else None
 
-        worst = None
+        worst: dict[str, tuple[str, float]] = {}
         for d in committed:
             inf = fresh(d)
             if inf is not None:
-                p, src = float(inf["p95"]), "telemetry"
+                p, p99, src = float(inf["p95"]), inf.get("p99"), "telemetry"
                 res[d]["telemetry_frames"] = inf["count"]
             elif res[d].get("p95_ms") is not None:
-                p, src = float(res[d]["p95_ms"]), "health gate"
+                p, p99, src = float(res[d]["p95_ms"]), (res[d].get("health") or {}).get("p99_ms"), "health gate"
             else:
                 res[d]["p95_source"] = None
                 continue
-            res[d].update(p95_ms_seen=p, p95_source=src)
-            if worst is None or p > worst[1]:
-                worst = (d, p)
+            p99 = float(p99) if isinstance(p99, (int, float)) and not isinstance(p99, bool) else None
+            res[d].update(p95_ms_seen=p, p99_ms_seen=p99, p95_source=src)
+            for q, ms in (("p95", p), ("p99", p99)):
+                if ms is not None and (q not in worst or ms > worst[q][1]):
+                    worst[q] = (d, ms)
         return worst
 
 

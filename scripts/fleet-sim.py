@@ -7,7 +7,7 @@ Each simulated agent is a real paho MQTT client running the real device side of 
 protocol (agent/update/jobs.py: job offer, chunk checks, need, acks) with its own SlotStore in a temp
 directory (install verifies the signature, hashes, format and arch, moves the bundle into the
 inactive slot, commit/rollback for real). What is simulated is only the model: the health gate
-does no inference (it sleeps ``--gate-s`` and reports a fixed p95), and the "hot swap" republishes
+does no inference (it sleeps ``--gate-s`` and reports a fixed p95 and p99), and the "hot swap" republishes
 the retained status with the new model. The agents run in ``--processes`` worker processes.
 
 The host side is the real fleet/rollout.py (what `tandoor fleet deploy` runs): canaries, then
@@ -35,6 +35,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+P99_OVER_P95 = 1.25   # the simulated gate's p99 when none is given: a steady model's tail
 sys.path.insert(0, str(ROOT / "tests"))
 
 
@@ -44,7 +45,7 @@ class SimDevice:
 
     def __init__(self, dev: str, host: str, port: int, slot_dir: Path, pub: Path, seed: Path | None,
                  prefix: str = "tandoor", gate_s: float = 0.2, p95_ms: float = 5.0, fail_gate: bool = False,
-                 username: str | None = None, password: str | None = None) -> None:
+                 p99_ms: float | None = None, gate_judges_p99: bool = True, username: str | None = None, password: str | None = None) -> None:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
@@ -54,6 +55,8 @@ class SimDevice:
         self.dev, self.host, self.port = dev, host, port
         self.base = f"{prefix}/{dev}"
         self.gate_s, self.p95_ms, self.fail_gate = gate_s, p95_ms, fail_gate
+        self.p99_ms = p99_ms if p99_ms is not None else p95_ms * P99_OVER_P95
+        self.gate_judges_p99 = gate_judges_p99   # False: an agent from before the p99 budget (reports, never judges it)
         self.store = SlotStore(slot_dir, [pub])
         if seed is not None and self.store.primary_bundle() is None:
             self.store.install(seed, "seed", [pub])
@@ -99,7 +102,7 @@ class SimDevice:
         self.connected.set()
         self.updater.on_connected()
 
-    def _gate(self, store, keys, latency_budget_ms=None, frames=20, delegate=None, **kw):
+    def _gate(self, store, keys, latency_budget_ms=None, frames=20, delegate=None, p99_budget_ms=None, **kw):
         """The verdict, as health.gate returns it (the job settles the trial on it)."""
         from tandoor_agent.update.health import HealthReport
 
@@ -107,9 +110,12 @@ class SimDevice:
         if self.fail_gate:
             return HealthReport(ok=False, reason="golden self-test failed: simulated failure", frames=frames)
         rep = HealthReport(ok=True, golden_ok=True, golden_max_abs_err=0.0, p95_ms=self.p95_ms,
-                           median_ms=self.p95_ms * 0.8, frames=frames, latency_budget_ms=latency_budget_ms)
+                           p99_ms=self.p99_ms, median_ms=self.p95_ms * 0.8, frames=frames,
+                           latency_budget_ms=latency_budget_ms, p99_budget_ms=p99_budget_ms)
         if latency_budget_ms is not None and self.p95_ms > latency_budget_ms:
             rep.ok, rep.reason = False, f"p95 latency {self.p95_ms:g} ms over budget {latency_budget_ms:g} ms"
+        elif self.gate_judges_p99 and p99_budget_ms is not None and self.p99_ms > p99_budget_ms:
+            rep.ok, rep.reason = False, f"p99 latency {self.p99_ms:g} ms over budget {p99_budget_ms:g} ms"
         return rep
 
     def _swap(self, timeout_s: float = 0.0) -> None:
@@ -183,7 +189,8 @@ def worker(args) -> int:
     ids = args.ids.split(",")
     fail = set(filter(None, (args.fail or "").split(",")))
     devs = [SimDevice(d, args.host, args.port, Path(args.slot_root) / d, Path(args.pub), Path(args.seed),
-                      gate_s=args.gate_s, p95_ms=args.p95_ms, fail_gate=d in fail) for d in ids]
+                      gate_s=args.gate_s, p95_ms=args.p95_ms, p99_ms=args.p99_ms, fail_gate=d in fail,
+                      gate_judges_p99=not args.gate_ignores_p99) for d in ids]
     for d in devs:
         d.start()
     net = NetLoop(devs).start()
@@ -206,11 +213,14 @@ class SimFleet:
     """``n`` simulated agents in ``processes`` worker processes (context manager)."""
 
     def __init__(self, n: int, port: int, workdir: Path, pub: Path, seed: Path, processes: int = 4,
-                 gate_s: float = 0.2, p95_ms: float = 5.0, fail: set[str] = frozenset(), prefix: str = "sim") -> None:
+                 gate_s: float = 0.2, p95_ms: float = 5.0, fail: set[str] = frozenset(), prefix: str = "sim",
+                 p99_ms: float | None = None, gate_judges_p99: bool = True) -> None:
         self.ids = [f"{prefix}{i:03d}" for i in range(n)]
         self.port, self.dir, self.pub, self.seed = port, Path(workdir), pub, seed
         self.processes = max(1, min(processes, n))
         self.gate_s, self.p95_ms, self.fail = gate_s, p95_ms, fail
+        self.p99_ms = p99_ms if p99_ms is not None else p95_ms * P99_OVER_P95
+        self.gate_judges_p99 = gate_judges_p99
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> SimFleet:
@@ -219,6 +229,7 @@ class SimFleet:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--port", str(self.port),
                    "--ids", ",".join(g), "--slot-root", str(self.dir / "slots"), "--pub", str(self.pub),
                    "--seed", str(self.seed), "--gate-s", str(self.gate_s), "--p95-ms", str(self.p95_ms),
+                   "--p99-ms", str(self.p99_ms), *([] if self.gate_judges_p99 else ["--gate-ignores-p99"]),
                    "--fail", ",".join(sorted(self.fail))]
             log = open(self.dir / f"worker{k}.log", "wb")
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
@@ -355,7 +366,7 @@ def run_sim(args) -> dict:
         try:
             t_boot = time.monotonic()
             with SimFleet(args.agents, broker.port, work, B["pub"], B["v1"], processes=args.processes,
-                          gate_s=args.gate_s, p95_ms=args.p95_ms,
+                          gate_s=args.gate_s, p95_ms=args.p95_ms, p99_ms=args.p99_ms,
                           fail=set(args.fail.split(",")) if args.fail else set()) as sim:
                 boot_s = time.monotonic() - t_boot
                 watch = SysWatch(broker.port, broker.proc.pid)
@@ -376,7 +387,8 @@ def run_sim(args) -> dict:
                             print(line, file=sys.stderr, flush=True)
 
                     res = rollout.deploy(f, B["v2"], sim.ids, canary_pct=args.canary, max_failures=args.max_failures,
-                                         latency_budget_ms=args.latency_budget_ms, timeout=args.timeout,
+                                         latency_budget_ms=args.latency_budget_ms, p99_budget_ms=args.p99_budget_ms,
+                                         timeout=args.timeout,
                                          chunk_size=args.chunk_size, wave_size=args.wave_size, progress=progress,
                                          transport=args.transport,
                                          serve="127.0.0.1:0" if args.transport == "url" else None)
@@ -491,7 +503,8 @@ def main(argv=None) -> int:
     ap.add_argument("--canary", type=float, default=10.0, help="canary percentage")
     ap.add_argument("--wave-size", type=int, default=0)
     ap.add_argument("--max-failures", type=int, default=0)
-    ap.add_argument("--latency-budget-ms", type=float, default=None)
+    ap.add_argument("--latency-budget-ms", type=float, default=None, help="the p95 budget")
+    ap.add_argument("--p99-budget-ms", type=float, default=None, help="the p99 budget (none by default)")
     ap.add_argument("--chunk-size", type=int, default=64 * 1024)
     ap.add_argument("--window", type=int, default=64, help="host: QoS 1 messages in flight")
     ap.add_argument("--timeout", type=float, default=600)
@@ -500,6 +513,11 @@ def main(argv=None) -> int:
                          "127.0.0.1 and the agents download it with Range requests")
     ap.add_argument("--gate-s", type=float, default=0.2, help="simulated health gate time")
     ap.add_argument("--p95-ms", type=float, default=5.0, help="p95 the simulated gate reports")
+    ap.add_argument("--p99-ms", type=float, default=None,
+                    help=f"p99 the simulated gate reports (default: {P99_OVER_P95:g}x --p95-ms)")
+    ap.add_argument("--gate-ignores-p99", action="store_true",
+                    help="the simulated gate reports its p99 but does not judge it (an agent from before the p99 "
+                         "budget): only the host's canary check can stop the rollout on it")
     ap.add_argument("--fail", default="", help="device ids whose gate fails")
     ap.add_argument("--pad-kb", type=float, default=0, help="make the compiled bundle this much bigger "
                     "(random bytes in a listed member), e.g. 1850 for a 2 MB bundle")

@@ -253,6 +253,38 @@ def test_canary_abort_when_failures_exceed_max(tmp_path, B):
             assert out["waves"] == [2, 4, 4]
 
 
+def test_canary_abort_names_the_p99_over_its_budget(tmp_path, B):
+    """Agents whose gate reports a p99 of 30 ms but does not judge it (from before the p99 budget):
+    the canary commits, and the host's canary check, reading the p99 from its health report,
+    stops the rollout naming the p99 and its budget while the p95 is within its own; a p99 budget
+    the canary fits lets the next job through."""
+    sim = _load_sim()
+    with Broker(tmp_path / "broker") as b:
+        with sim.SimFleet(4, b.port, tmp_path, B["pub"], B["v1"], processes=1, gate_s=0.1, p95_ms=5.0, p99_ms=30.0,
+                          gate_judges_p99=False):
+            common = ["--all", "--canary", "25%", "--latency-budget-ms", "10", "--broker",
+                      f"mqtt://127.0.0.1:{b.port}", "--timeout", "120", "--json"]
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v2"]), *common, "--p99-budget-ms", "20"],
+                               capture_output=True, text=True, timeout=200)
+            assert r.returncode == 1, r.stderr
+            out = json.loads(r.stdout)
+            c = out["devices"]["sim000"]
+            assert c["state"] == "committed" and c["p95_ms_seen"] == 5.0 and c["p99_ms_seen"] == 30.0, c
+            assert c["p95_source"] == "health gate", c
+            assert out["aborted"] == "canary sim000 p99 latency 30 ms (its health gate) over the budget 20 ms", out
+            assert all(out["devices"][f"sim{i:03d}"]["state"] == "skipped" for i in range(1, 4)), out["devices"]
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v3"]), *common, "--p99-budget-ms", "40"],
+                               capture_output=True, text=True, timeout=200)
+            out = json.loads(r.stdout)
+            assert r.returncode == 0 and out["counts"] == {"committed": 4}, (r.stderr[-2000:], out.get("counts"))
+            # a p99 budget under the p95 one is refused before anything is sent
+            r = subprocess.run([str(BIN / "tandoor"), "fleet", "deploy", str(B["v3"]), *common, "--p99-budget-ms", "5"],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and r.stderr.strip() == (
+                "tandoor: error: --p99-budget-ms 5 is below --latency-budget-ms 10 (the p95 budget): a p99 is never "
+                "under its p95"), r.stderr
+
+
 def test_fleet_sim_smoke_10_agents(tmp_path, B):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "fleet-sim.py"), "--agents", "10", "--processes", "2",
                         "--canary", "20", "--bundle", str(B["v2"]), "--seed-bundle", str(B["v1"]), "--pub",
