@@ -18,7 +18,9 @@ Paths measured, on the same seeded input:
 Timing: after a warm-up, rounds of interleaved blocks (one discarded run, then about three timed
 runs per path) so that slow drifts of a shared machine's load hit every path alike, while a
 library's spinning threads cannot leak into the next path's timed run. Medians are reported,
-best runs beside them (details.spread).
+best runs beside them (details.spread), and per path p50/p95/p99 and the run-to-run spread
+(``latency``, host/latency.py): with ``blocks`` > 1 the whole timing is repeated that many times
+(``runs`` runs per path each), and ``block_spread`` is the worst block's median over the best's.
 
 Breakdown of the median hybrid run, L_total = L_pre + delegated + TVM + bridge: L_pre is staging
 the input into the VM's buffer (measured apart); delegated and bridge come from the runtime's
@@ -45,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 from tandoor_contract import orders, probe
+
+from .latency import summary
 
 ACCELERATED = ("CpuAcc", "GpuAcc")
 
@@ -144,6 +148,7 @@ class _Path:
     def __init__(self, name: str, run, close=lambda: None, hybrid=None):
         self.name, self.run, self.close, self.hybrid = name, run, close, hybrid
         self.times: list[float] = []
+        self.blocks: list[int] = []       # timed runs per block, in order (host/latency.py)
         self.per_run: list[list[tuple[int, int, int]]] = []
         self.rss_growth = 0
         self.runs_total = 0
@@ -276,12 +281,23 @@ def time_paths(paths: list[_Path], runs: int, rounds: int, progress) -> None:
                                       for sg, k in zip(p.hybrid.subgraphs, marks)])
 
 
+def time_blocks(paths: list[_Path], runs: int, rounds: int, blocks: int, progress) -> None:
+    """``blocks`` repetitions of :func:`time_paths`, each path's runs per block recorded, so that a
+    stall that hits one block and not the next shows as the spread between their medians."""
+    for b in range(blocks):
+        if blocks > 1:
+            progress(f"block {b + 1} of {blocks}")
+        time_paths(paths, runs, rounds, progress)
+        for p in paths:
+            p.blocks.append(len(p.times) - sum(p.blocks))
+
+
 # baseline configurations of onnxruntime: path name -> (spinning, what the output calls it)
 ORT_CONFIGS = {"onnxruntime": (True, "default"), "onnxruntime-nospin": (False, "no spinning")}
 
 
 def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5, rounds: int | None = None,
-        policy: str = "cost", include_armnn: bool = False, executors: tuple[str, ...] | None = None,
+        blocks: int = 1, policy: str = "cost", include_armnn: bool = False, executors: tuple[str, ...] | None = None,
         kernels: bool = False, progress=lambda s: None) -> dict:
     """Time every path (see the module docstring); ``kernels`` adds `host/kernels.py`'s per-kernel
     tables (TVM's kernels beside onnxruntime's nodes in the baseline's configuration)."""
@@ -299,6 +315,8 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
 
     if runs < 1:
         raise CompileError("--runs must be at least 1")
+    if blocks < 1:
+        raise CompileError("--blocks must be at least 1")
     # blocks of about three runs: a burst of load on a shared machine lasts seconds, and longer
     # blocks let one burst land on one path's runs alone (YOLOv8n: a path with nothing delegated,
     # the same module as TVM only, measured 2.3x TVM only's median with blocks of 7-8)
@@ -341,7 +359,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
             builders += [("choice", lambda: _hybrid_path("choice", hyb_bundle, "auto", inputs)),
                          ("all-delegated", lambda: _hybrid_path("all-delegated", all_bundle, "auto", inputs))]
             load_paths(builders, warmup, progress, paths)
-            time_paths(paths, runs, rounds, progress)
+            time_blocks(paths, runs, rounds, blocks, progress)
 
             # median_low: the median is one real run, whose own breakdown is reported
             med = {p.name: statistics.median_low(p.times) for p in paths}
@@ -360,6 +378,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
             rss = {p.name: round(p.rss_growth / 2**20, 1) for p in paths}
             spread = {p.name: {"min_ms": round(min(p.times), 3), "max_ms": round(max(p.times), 3),
                                "n": len(p.times)} for p in paths}
+            latency = {p.name: summary(p.times, p.blocks) for p in paths}
         finally:
             close_paths(paths)
 
@@ -400,12 +419,14 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
         # the same ratios from each path's best run: on a loaded shared machine the medians carry
         # the other jobs' bursts, the best runs what the code does when it has the cores
         "best": _best_ratios({p.name: min(p.times) for p in paths}),
+        # per path: p50/p95/p99, p99/p50 and the run-to-run spread over the blocks (host/latency.py)
+        "latency": latency,
         "memory": memory,
         "breakdown": breakdown,
         **({"kernels": kern} if kern is not None else {}),
         "details": {
             "model": model.name, "inputs": [i.as_dict() for i in model.inputs], "runs": runs, "warmup": warmup,
-            "rounds": rounds, "policy": policy, "spread": spread, "skipped": skipped,
+            "rounds": rounds, "blocks": blocks, "policy": policy, "spread": spread, "skipped": skipped,
             "onnxruntime_default_ms": round(med["onnxruntime"], 3),
             "onnxruntime_nospin_ms": round(med["onnxruntime-nospin"], 3),
             "delegated_subgraphs": sum(1 for p in hyb_manifest["partitions"] if p["delegate"]),
@@ -435,25 +456,38 @@ def print_table(res: dict) -> None:
     c = Console()
     d = res["details"]
     ort = res["onnxruntime_ms"]
-    t = Table(title=f"{d['model']}: median of {d['runs']} runs after {d['warmup']} warm-up, one process")
-    for col in ("path", "ms", "vs ort", "L_pre", "deleg.", "TVM", "bridge", "RSS+MB", "act. MB plan/all"):
+    blocks = d.get("blocks", 1)
+    runs = f"{blocks} blocks of {d['runs']} runs" if blocks > 1 else f"{d['runs']} runs"
+    t = Table(title=f"{d['model']}: median of {runs} after {d['warmup']} warm-up, one process")
+    for col in ("path", "ms", "p95", "p99", "spread", "vs ort", "L_pre", "deleg.", "TVM", "bridge", "RSS+MB",
+                "act. MB plan/all"):
         t.add_column(col, justify="right" if col != "path" else "left")
+    lat = res["latency"]
+
+    def tail(path: str) -> tuple[str, str, str]:
+        q = lat[path]
+        return f"{q['p95_ms']:.2f}", f"{q['p99_ms']:.2f}", f"{q['block_spread']:.2f}x" if blocks > 1 else ""
+
     for name, (_, label) in ORT_CONFIGS.items():
         ms = d["onnxruntime_default_ms"] if label == "default" else d["onnxruntime_nospin_ms"]
         mark = " (baseline)" if label == res["onnxruntime_baseline"] else ""
-        t.add_row(f"ort {label}{mark}", f"{ms:.2f}", f"{ms / ort:.2f}x", "", "", "", "",
+        t.add_row(f"ort {label}{mark}", f"{ms:.2f}", *tail(name), f"{ms / ort:.2f}x", "", "", "", "",
                   f"{res['memory'][name]['rss_growth_mb']:.0f}", "")
     mem_hyb = next(iter(res["memory"]["hybrid"].values()), {})
-    rows = [("TVM only", res["tvm_ms"], res["breakdown"]["tvm"], res["memory"]["tvm"])]
-    rows += [(f"hybrid {e}", ms, res["breakdown"]["hybrid"][e], res["memory"]["hybrid"][e]) for e, ms in res["hybrid_ms"].items()]
-    rows += [("hybrid auto (choice)", res["choice_ms"], res["breakdown"]["choice"], mem_hyb),
-             ("all delegated, auto", res["all_delegated_ms"], res["breakdown"]["all-delegated"], {})]
-    for name, ms, b, mem in rows:
-        t.add_row(name, f"{ms:.2f}", f"{ms / ort:.2f}x", f"{b['pre_ms']:.2f}", f"{b['delegated_ms']:.2f}",
+    rows = [("TVM only", "tvm", res["tvm_ms"], res["breakdown"]["tvm"], res["memory"]["tvm"])]
+    rows += [(f"hybrid {e}", f"hybrid:{e}", ms, res["breakdown"]["hybrid"][e], res["memory"]["hybrid"][e])
+             for e, ms in res["hybrid_ms"].items()]
+    rows += [("hybrid auto (choice)", "choice", res["choice_ms"], res["breakdown"]["choice"], mem_hyb),
+             ("all delegated, auto", "all-delegated", res["all_delegated_ms"], res["breakdown"]["all-delegated"], {})]
+    for name, key, ms, b, mem in rows:
+        t.add_row(name, f"{ms:.2f}", *tail(key), f"{ms / ort:.2f}x", f"{b['pre_ms']:.2f}", f"{b['delegated_ms']:.2f}",
                   f"{b['tvm_ms']:.2f}", f"{b['bridge_ms']:.3f}",
                   f"{mem['rss_growth_mb']:.0f}" if "rss_growth_mb" in mem else "",
                   f"{mem['planned_activation_mb']:.1f}/{mem['unplanned_activation_mb']:.1f}" if mem else "")
     c.print(t)
+    c.print("ms: the median run; p95, p99: percentiles over every timed run"
+            + ("; spread: the worst block's median over the best block's" if blocks > 1 else
+               " (--blocks N: the run-to-run spread over N blocks)"))
     c.print(f"baseline: onnxruntime {res['onnxruntime_baseline']} ({ort:.2f} ms), the better of its default "
             f"({d['onnxruntime_default_ms']:.2f} ms) and no spinning ({d['onnxruntime_nospin_ms']:.2f} ms) at "
             f"{d['threads']['onnxruntime']} thread(s); every 'vs ort' is against it")
@@ -484,22 +518,25 @@ def plot(res: dict, out: Path) -> None:
     from PIL import Image, ImageDraw
 
     d = res["details"]
-    rows = [("ort default", {"total": d["onnxruntime_default_ms"]}),
-            ("ort no spinning", {"total": d["onnxruntime_nospin_ms"]}),
-            ("TVM only", res["breakdown"]["tvm"])]
-    rows += [(f"hybrid {e}", res["breakdown"]["hybrid"][e]) for e in res["hybrid_ms"]]
-    rows += [("choice (auto)", res["breakdown"]["choice"]), ("all delegated", res["breakdown"]["all-delegated"])]
+    rows = [("ort default", {"total": d["onnxruntime_default_ms"]}, "onnxruntime"),
+            ("ort no spinning", {"total": d["onnxruntime_nospin_ms"]}, "onnxruntime-nospin"),
+            ("TVM only", res["breakdown"]["tvm"], "tvm")]
+    rows += [(f"hybrid {e}", res["breakdown"]["hybrid"][e], f"hybrid:{e}") for e in res["hybrid_ms"]]
+    rows += [("choice (auto)", res["breakdown"]["choice"], "choice"),
+             ("all delegated", res["breakdown"]["all-delegated"], "all-delegated")]
+    lat = res.get("latency", {})
     colors = {"pre_ms": (186, 176, 172), "delegated_ms": (78, 121, 167), "tvm_ms": (225, 87, 89),
               "bridge_ms": (237, 201, 72), "total": (89, 161, 79)}
     label_w, bar_h, gap, width = 150, 28, 14, 900
     height = gap + len(rows) * (bar_h + gap) + 60
     scale_max = max(r[1].get("total_ms", r[1].get("total", 0)) for r in rows) or 1.0
-    px = (width - label_w - 90) / scale_max
+    px = (width - label_w - 260) / scale_max
     img = Image.new("RGB", (width, height), "white")
     d = ImageDraw.Draw(img)
-    d.text((10, 4), f"{res['details']['model']}: latency (ms), median of {res['details']['runs']}", fill="black")
+    d.text((10, 4), f"{res['details']['model']}: latency (ms), median of {res['details']['runs']} "
+                    f"x {res['details'].get('blocks', 1)} block(s); p99 and the blocks' spread after each bar", fill="black")
     y = gap + 14
-    for name, b in rows:
+    for name, b, key in rows:
         d.text((10, y + 8), name, fill="black")
         x = label_w
         if "total" in b:
@@ -513,7 +550,9 @@ def plot(res: dict, out: Path) -> None:
             if w:
                 d.rectangle([x, y, x + w, y + bar_h], fill=colors[k])
             x += w
-        d.text((x + 6, y + 8), f"{total:.2f} ms", fill="black")
+        q = lat.get(key)
+        said = f"{total:.2f} ms" + (f"  p99 {q['p99_ms']:.2f}, spread {q['block_spread']:.2f}x" if q else "")
+        d.text((x + 6, y + 8), said, fill="black")
         y += bar_h + gap
     lx = label_w
     for k, name in (("total", "onnxruntime"), ("pre_ms", "L_pre"), ("delegated_ms", "delegated"),

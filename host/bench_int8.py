@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import ORT_CONFIGS, _hybrid_path, _ort_path, close_paths, load_paths, time_paths
+from .bench import ORT_CONFIGS, _hybrid_path, _ort_path, close_paths, load_paths, time_blocks
+from .latency import summary
 
 # route -> (fp32 path, INT8 path); the onnxruntime routes are resolved to the better configuration
 ROUTES = {"onnxruntime": ("ort-fp32", "ort-int8"), "TVM": ("tvm-fp32", "int8:tvm"),
@@ -41,7 +42,7 @@ def _order_bytes(bundle: Path) -> int:
 
 
 def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, runs: int = 20, warmup: int = 5,
-             rounds: int | None = None, images: str | Path | None = None, count: int | None = None,
+             rounds: int | None = None, blocks: int = 1, images: str | Path | None = None, count: int | None = None,
              progress=lambda s: None) -> dict:
     """Time the fp32 and INT8 routes (module doc); returns the report `print_int8` prints."""
     from tandoor_agent.run.board import configure_tvm_threads
@@ -60,6 +61,8 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
 
     if runs < 1:
         raise CompileError("--runs must be at least 1")
+    if blocks < 1:
+        raise CompileError("--blocks must be at least 1")
     rounds = rounds or max(4, runs // 3)
     fp32 = frontend.load(model_path, list(input_specs))
     specs = [f"{i.name}={'x'.join(str(d) for d in i.shape)}" for i in fp32.inputs]
@@ -111,8 +114,9 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
         paths = []
         try:
             load_paths(builders, warmup, progress, paths)
-            time_paths(paths, runs, rounds, progress)
+            time_blocks(paths, runs, rounds, blocks, progress)
             med = {p.name: statistics.median_low(p.times) for p in paths}
+            latency = {p.name: summary(p.times, p.blocks) for p in paths}
             best = {p.name: min(p.times) for p in paths}
             int8_executors = [sg.executor for sg in next(p for p in paths if p.name == "int8:auto").hybrid.subgraphs]
         finally:
@@ -124,15 +128,19 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
             progress(f"comparing the INT8 bundle with the fp32 model on {images}")
             accuracy = _accuracy(bundles["int8"], model_path, images, count, preprocess)
 
-    configs = {}
+    configs, ort_pick = {}, {}
     for tag in ("fp32", "int8"):     # the better onnxruntime configuration stands for the route
         pick, spin = min(_ort_names(tag), key=lambda ns: med[ns[0]])
+        ort_pick[f"ort-{tag}"] = pick
         med[f"ort-{tag}"], best[f"ort-{tag}"] = med[pick], best[pick]
         configs[tag] = next(label for s, label in ORT_CONFIGS.values() if s == spin)
     routes = {}
     for route, (a, b) in ROUTES.items():
+        la, lb = latency[ort_pick.get(a, a)], latency[ort_pick.get(b, b)]
         routes[route] = {"fp32_ms": round(med[a], 3), "int8_ms": round(med[b], 3), "ratio": round(med[b] / med[a], 3),
-                         "best_ratio": round(best[b] / best[a], 3)}
+                         "best_ratio": round(best[b] / best[a], 3),
+                         "fp32_p99_ms": la["p99_ms"], "int8_p99_ms": lb["p99_ms"],
+                         "fp32_spread": la["block_spread"], "int8_spread": lb["block_spread"]}
     routes["onnxruntime"]["configs"] = configs
     routes["INT8 orders on onnxruntime"] = {"int8_ms": round(med["int8:onnxruntime"], 3),
                                             "ratio_vs_fp32_hybrid": round(med["int8:onnxruntime"] / med["fp32:auto"], 3)}
@@ -149,7 +157,9 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
         "int8_flops_delegated_share": round(share, 4),
         "activations": activations,
         "accuracy": accuracy,
-        "details": {"runs": runs, "warmup": warmup, "rounds": rounds, "inputs": [i.as_dict() for i in fp32.inputs],
+        # per path (details.median_ms's names): p50/p95/p99 and the spread over the blocks (host/latency.py)
+        "latency": latency,
+        "details": {"runs": runs, "warmup": warmup, "rounds": rounds, "blocks": blocks, "inputs": [i.as_dict() for i in fp32.inputs],
                     "median_ms": {k: round(v, 3) for k, v in med.items()},
                     "best_ms": {k: round(v, 3) for k, v in best.items()},
                     "int8_choice_executors": int8_executors,
@@ -191,15 +201,21 @@ def print_int8(res: dict) -> None:
 
     c = Console()
     d = res["details"]
-    t = Table(title=f"{res['model']} fp32 vs {res['int8_model']}: median of {d['runs']} runs, one process")
-    for col in ("route", "fp32 ms", "INT8 ms", "INT8/fp32", "best runs"):
+    blocks = d.get("blocks", 1)
+    t = Table(title=f"{res['model']} fp32 vs {res['int8_model']}: median of {d['runs']} runs"
+                    + (f" x {blocks} blocks" if blocks > 1 else "") + ", one process")
+    for col in ("route", "fp32 ms", "p99", "INT8 ms", "p99 ", "INT8/fp32", "best runs", "spread fp32/INT8"):
         t.add_column(col, justify="left" if col == "route" else "right")
     for route, r in res["routes"].items():
         if "fp32_ms" not in r:
             continue
-        t.add_row(route, f"{r['fp32_ms']:.2f}", f"{r['int8_ms']:.2f}", f"{r['ratio']:.2f}x", f"{r['best_ratio']:.2f}x")
+        spread = f"{r['fp32_spread']:.2f}x / {r['int8_spread']:.2f}x" if blocks > 1 else ""
+        t.add_row(route, f"{r['fp32_ms']:.2f}", f"{r['fp32_p99_ms']:.2f}", f"{r['int8_ms']:.2f}", f"{r['int8_p99_ms']:.2f}",
+                  f"{r['ratio']:.2f}x", f"{r['best_ratio']:.2f}x", spread)
     r = res["routes"]["INT8 orders on onnxruntime"]
-    t.add_row("INT8 orders on onnxruntime", "", f"{r['int8_ms']:.2f}", f"{r['ratio_vs_fp32_hybrid']:.2f}x", "")
+    q = res["latency"]["int8:onnxruntime"]
+    t.add_row("INT8 orders on onnxruntime", "", "", f"{r['int8_ms']:.2f}", f"{q['p99_ms']:.2f}",
+              f"{r['ratio_vs_fp32_hybrid']:.2f}x", "", f"{q['block_spread']:.2f}x" if blocks > 1 else "")
     c.print(t)
     f = res["fastest"]
     c.print(f"fastest: fp32 {f['fp32']} {f['fp32_ms']:.2f} ms, INT8 {f['int8']} {f['int8_ms']:.2f} ms: "

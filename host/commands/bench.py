@@ -18,7 +18,10 @@ from ..cli_base import debug_option, fail
 @click.command()
 @click.argument("model", type=InputFile("model"))
 @click.option("--input", "inputs", multiple=True, metavar="NAME=1x3x224x224", help="Pin an input's shape (repeatable).")
-@click.option("--runs", default=20, show_default=True, help="Timed runs per path (medians are reported).")
+@click.option("--runs", default=20, show_default=True, help="Timed runs per path and block (medians, p95 and p99 are reported).")
+@click.option("--blocks", type=click.IntRange(1), default=1, show_default=True,
+              help="Repeat the timing N times (--runs runs per path each): p50/p95/p99 over all runs and the "
+                   "run-to-run spread, the worst block's median over the best block's.")
 @click.option("--warmup", default=5, show_default=True, help="Warm-up runs per path, not timed.")
 @click.option("--policy", type=click.Choice(["cost", "all"]), default="cost", show_default=True,
               help="Compile policy of the hybrid module.")
@@ -37,13 +40,13 @@ from ..cli_base import debug_option, fail
                    "(preprocessed as tandoor quantize recorded).")
 @click.option("--count", type=click.IntRange(1), default=None, help="With --images: use N of them, spread.")
 @debug_option
-def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json, plot, kernels, int8_model, images,
+def bench(model, inputs, runs, blocks, warmup, policy, executors, include_armnn, as_json, plot, kernels, int8_model, images,
           count):
     """onnxruntime vs TVM only vs the hybrid module per executor, in one process.
     With --int8: what INT8 buys, route by route."""
     from rich.console import Console
 
-    from . import bench as bench_mod
+    from .. import bench as bench_mod
 
     if int8_model is None and (images is not None or count is not None):
         raise CompileError("--images and --count go with --int8: they measure the INT8 model's agreement with MODEL")
@@ -59,10 +62,10 @@ def bench(model, inputs, runs, warmup, policy, executors, include_armnn, as_json
             if int8_model is not None:
                 from ..bench_int8 import run_int8
 
-                res = run_int8(model, int8_model, inputs, runs=runs, warmup=warmup, images=images, count=count,
+                res = run_int8(model, int8_model, inputs, runs=runs, blocks=blocks, warmup=warmup, images=images, count=count,
                                progress=progress)
             else:
-                res = bench_mod.run(model, inputs, runs=runs, warmup=warmup, policy=policy, include_armnn=include_armnn,
+                res = bench_mod.run(model, inputs, runs=runs, blocks=blocks, warmup=warmup, policy=policy, include_armnn=include_armnn,
                                     executors=tuple(executors) or None, kernels=kernels, progress=progress)
         if plot:
             bench_mod.plot(res, plot)

@@ -24,7 +24,7 @@ def bench_json(small_model, tmp_path_factory):
     png = tmp_path_factory.mktemp("bench") / "bench.png"
     # --policy all: both subgraphs delegated whatever this (loaded) machine measures, so the
     # structure below does not hang on a timing; the cost decision has its own tests
-    res = run_cli("tandoor", "bench", str(small_model), "--runs", "20", "--json", "--plot", str(png),
+    res = run_cli("tandoor", "bench", str(small_model), "--runs", "10", "--blocks", "2", "--json", "--plot", str(png),
                   "--policy", "all", check=True)
     return json.loads(res.stdout), png
 
@@ -41,8 +41,24 @@ def test_bench_json_keys_and_sane_values(bench_json):
         assert r["ratio_hybrid_vs_ort"][e] == pytest.approx(ms / ort, rel=2e-3, abs=2e-3)
     assert r["ratio_tvm_vs_ort"] == pytest.approx(r["tvm_ms"] / ort, rel=2e-3, abs=2e-3)
     d = r["details"]
-    assert d["runs"] == 20 and all(s["n"] == 20 for s in d["spread"].values())
+    assert d["runs"] == 10 and d["blocks"] == 2 and all(s["n"] == 20 for s in d["spread"].values())
     assert d["delegated_subgraphs"] == 2
+
+
+def test_bench_latency_has_percentiles_and_the_spread_over_blocks(bench_json):
+    """Every path: p50 <= p95 <= p99 within its fastest and slowest run, and per block its median,
+    the spread being the worst block median over the best."""
+    r, _ = bench_json
+    lat, spread = r["latency"], r["details"]["spread"]
+    assert set(lat) == set(spread) >= {"onnxruntime", "onnxruntime-nospin", "tvm", "choice", "all-delegated",
+                                       *(f"hybrid:{e}" for e in r["hybrid_ms"])}
+    for name, q in lat.items():
+        s = spread[name]
+        assert s["min_ms"] - 1e-3 <= q["p50_ms"] <= q["p95_ms"] <= q["p99_ms"] <= s["max_ms"] + 1e-3, (name, q, s)
+        assert q["p99_over_p50"] == pytest.approx(q["p99_ms"] / q["p50_ms"], rel=2e-3, abs=2e-3)
+        meds = q["block_medians_ms"]
+        assert q["blocks"] == len(meds) == 2 and all(s["min_ms"] - 1e-3 <= m <= s["max_ms"] + 1e-3 for m in meds)
+        assert q["block_spread"] == pytest.approx(max(meds) / min(meds), rel=2e-3, abs=2e-3) and q["block_spread"] >= 1
 
 
 def test_bench_armnn_cpuref_is_skipped_with_the_reason(bench_json):
