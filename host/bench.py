@@ -459,20 +459,25 @@ def print_table(res: dict) -> None:
     blocks = d.get("blocks", 1)
     runs = f"{blocks} blocks of {d['runs']} runs" if blocks > 1 else f"{d['runs']} runs"
     t = Table(title=f"{d['model']}: median of {runs} after {d['warmup']} warm-up, one process")
-    for col in ("path", "ms", "p95", "p99", "spread", "vs ort", "L_pre", "deleg.", "TVM", "bridge", "RSS+MB",
-                "act. MB plan/all"):
+    for col in ("path", "ms", "vs ort", "L_pre", "deleg.", "TVM", "bridge", "RSS+MB", "act. MB plan/all"):
         t.add_column(col, justify="right" if col != "path" else "left")
-    lat = res["latency"]
+    # the tail of each path's runs, a table of its own (one row per path, in the same order)
+    tails = Table(title="the same runs' percentiles (ms)" + (f" and the spread over the {blocks} blocks" if blocks > 1
+                                                              else ": --blocks N adds the run-to-run spread"))
+    for col in ("path", "p50", "p95", "p99", "p99/p50", *(("worst/best block median",) if blocks > 1 else ())):
+        tails.add_column(col, justify="right" if col != "path" else "left")
 
-    def tail(path: str) -> tuple[str, str, str]:
-        q = lat[path]
-        return f"{q['p95_ms']:.2f}", f"{q['p99_ms']:.2f}", f"{q['block_spread']:.2f}x" if blocks > 1 else ""
+    def tail(label: str, path: str) -> None:
+        q = res["latency"][path]
+        tails.add_row(label, f"{q['p50_ms']:.2f}", f"{q['p95_ms']:.2f}", f"{q['p99_ms']:.2f}", f"{q['p99_over_p50']:.2f}x",
+                      *((f"{q['block_spread']:.2f}x",) if blocks > 1 else ()))
 
     for name, (_, label) in ORT_CONFIGS.items():
         ms = d["onnxruntime_default_ms"] if label == "default" else d["onnxruntime_nospin_ms"]
         mark = " (baseline)" if label == res["onnxruntime_baseline"] else ""
-        t.add_row(f"ort {label}{mark}", f"{ms:.2f}", *tail(name), f"{ms / ort:.2f}x", "", "", "", "",
+        t.add_row(f"ort {label}{mark}", f"{ms:.2f}", f"{ms / ort:.2f}x", "", "", "", "",
                   f"{res['memory'][name]['rss_growth_mb']:.0f}", "")
+        tail(f"ort {label}", name)
     mem_hyb = next(iter(res["memory"]["hybrid"].values()), {})
     rows = [("TVM only", "tvm", res["tvm_ms"], res["breakdown"]["tvm"], res["memory"]["tvm"])]
     rows += [(f"hybrid {e}", f"hybrid:{e}", ms, res["breakdown"]["hybrid"][e], res["memory"]["hybrid"][e])
@@ -480,14 +485,13 @@ def print_table(res: dict) -> None:
     rows += [("hybrid auto (choice)", "choice", res["choice_ms"], res["breakdown"]["choice"], mem_hyb),
              ("all delegated, auto", "all-delegated", res["all_delegated_ms"], res["breakdown"]["all-delegated"], {})]
     for name, key, ms, b, mem in rows:
-        t.add_row(name, f"{ms:.2f}", *tail(key), f"{ms / ort:.2f}x", f"{b['pre_ms']:.2f}", f"{b['delegated_ms']:.2f}",
+        tail(name, key)
+        t.add_row(name, f"{ms:.2f}", f"{ms / ort:.2f}x", f"{b['pre_ms']:.2f}", f"{b['delegated_ms']:.2f}",
                   f"{b['tvm_ms']:.2f}", f"{b['bridge_ms']:.3f}",
                   f"{mem['rss_growth_mb']:.0f}" if "rss_growth_mb" in mem else "",
                   f"{mem['planned_activation_mb']:.1f}/{mem['unplanned_activation_mb']:.1f}" if mem else "")
     c.print(t)
-    c.print("ms: the median run; p95, p99: percentiles over every timed run"
-            + ("; spread: the worst block's median over the best block's" if blocks > 1 else
-               " (--blocks N: the run-to-run spread over N blocks)"))
+    c.print(tails)
     c.print(f"baseline: onnxruntime {res['onnxruntime_baseline']} ({ort:.2f} ms), the better of its default "
             f"({d['onnxruntime_default_ms']:.2f} ms) and no spinning ({d['onnxruntime_nospin_ms']:.2f} ms) at "
             f"{d['threads']['onnxruntime']} thread(s); every 'vs ort' is against it")
