@@ -17,7 +17,7 @@ The offer::
      "n_chunks": 5, "chunk_sha256": ["<chunk 0>", ...], "deadline": 1718000600 | "2024-06-10T06:23:20Z",
      "issued": 1718000000.0, "stall_timeout_s": 120, "allow_downgrade": false,
      "transport": "mqtt" | "url", "url": "http://host:port/<sha>.hmod",
-     "latency_budget_ms": 50, "health_frames": 20, "model": {"name", "version"}}
+     "latency_budget_ms": 50, "p99_budget_ms": 80, "health_frames": 20, "model": {"name", "version"}}
 
 A job goes through the states of ``tandoor_contract.protocol.JOB_STATES`` (every ack names one):
 offer accepted (``received`` with count 0; the device first subscribes to the job's fleet-wide
@@ -98,7 +98,8 @@ class Updater(Transfer, Finals):
     chunk topic, :meth:`on_message` receives (call it from the MQTT thread; it only queues),
     :meth:`on_connected` after every (re)connect (subscribing :attr:`subscriptions` first).
 
-    ``gate(store, trusted_keys, latency_budget_ms=, frames=, delegate=, timeout_s=)`` returns the
+    ``gate(store, trusted_keys, latency_budget_ms=, frames=, delegate=, timeout_s=[, p99_budget_ms=])``
+    (the p99 budget only when the offer has one) returns the
     trial's verdict (default: health.gate, the check in a child process); the job then commits or
     rolls back itself (:func:`settle`). ``swap(timeout_s)``,
     called after a commit, loads the newly committed slot into the serving loop and returns when
