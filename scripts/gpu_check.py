@@ -178,6 +178,10 @@ def prepare(out: Path, budget: int = BUDGET, names: list[str] | None = None, pyt
         if names and name not in names:
             continue
         model, pins = _onnx(source)
+        if _size(out) + model.stat().st_size > budget:    # its weights alone would not fit: not compiled
+            plan["left_out"].append(f"{name} (its {model.stat().st_size / 2**20:.1f} MiB of ONNX: past the "
+                                    f"{budget >> 20} MiB payload)")
+            continue
         bundle = out / "bundles" / f"{name}.hmod"
         say(f"{name}: compiling for cuda-sm90")
         t0 = time.monotonic()
