@@ -205,6 +205,9 @@ def test_bench_int8_times_every_route_and_says_the_sizes_and_the_agreement(lite0
     for route, (a, b) in {"TVM": ("tvm-fp32", "int8:tvm"), "hybrid (auto)": ("fp32:auto", "int8:auto")}.items():
         r = rep["routes"][route]
         assert (r["fp32_ms"], r["int8_ms"]) == (med[a], med[b]) and r["ratio"] == pytest.approx(med[b] / med[a], abs=2e-3)
+        # and the tail of the same runs: each side's p99 is its path's, never under its median
+        assert (r["fp32_p99_ms"], r["int8_p99_ms"]) == (rep["latency"][a]["p99_ms"], rep["latency"][b]["p99_ms"])
+        assert r["fp32_p99_ms"] >= rep["latency"][a]["p50_ms"] and r["fp32_spread"] == 1.0    # one block
     ort = rep["routes"]["onnxruntime"]
     # each onnxruntime configuration keeps its own median (the route's key once overwrote the default's)
     for tag in ("fp32", "int8"):
