@@ -29,7 +29,7 @@ def inspect(bundle, as_json, graph, show_sizes):
     from tandoor_compiler import report
 
     if show_sizes:
-        from . import sizes
+        from .. import sizes
 
         try:
             info = sizes.sizes(bundle)
