@@ -224,7 +224,7 @@ def _npu_samples(model, inputs, calibration, count, flags: dict) -> list[list]:
     preprocessed as the device will (tandoor quantize's reader, host/calibration.py)."""
     from tandoor_compiler import frontend
 
-    from . import calibration as calib
+    from .. import calibration as calib
     from ..quantize import preprocess_entry
 
     loaded = frontend.load(model, list(inputs))
