@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tandoor_agent.run.executors import armnn as ax
+from tandoor_agent.run.executors import armnn_api
 
 _OK, _WHY = ax.available()
 needs_armnn = pytest.mark.skipif(not _OK, reason=_WHY)
@@ -395,7 +396,7 @@ def test_run_into_takes_and_writes_int8_buffers():
         want = ex.run([b.x])[0]
         y = np.full(want.shape, 99, np.int8)
         ex.run_into([b.x], [y])
-        assert ex.last_zero_copy == (ax._raw is not None)   # Arm NN wrote the caller's int8 buffer
+        assert ex.last_zero_copy == (armnn_api._raw is not None)   # Arm NN wrote the caller's int8 buffer
         np.testing.assert_array_equal(y, want)
         as_float = np.full(want.shape, np.nan, np.float32)   # another dtype: a copy, the codes as floats
         ex.run_into([b.x], [as_float])

@@ -36,8 +36,9 @@ def _model(path: Path) -> Path:
     return path
 
 
-def _old_build(plan, fallbacks, tgts, members, say):
-    """pipeline._build before format 4: a fallback library per subgraph and target, each with main."""
+def _old_build(plan, fallbacks, tgts, members, say, gpu_mod=None, gpu_tuning=None):
+    """pipeline._build before format 4: a fallback library per subgraph and target, each with main
+    (no GPU part: the targets here have none)."""
     lowered = codegen.lower_regions(plan.result.mod)
     entries = {}
     with tempfile.TemporaryDirectory() as tmp:
