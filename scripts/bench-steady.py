@@ -124,11 +124,11 @@ def measure(name: str, onnx: Path, pins: list[str], work: Path, blocks: int, run
 
 
 def table(rows: list[dict], blocks: int, runs: int) -> str:
-    out = [f"| model | p50 ms | p99 ms | p99/p50 | worst/best block median | load (1 min) |",
-           "|---|---|---|---|---|---|"]
-    for r in rows:
+    out = ["| model | p50 ms | p99 ms | p99/p50 | worst/best block median | load (1 min) | delegated to |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:     # the executors: the compile measures its decisions here, so they can differ by load
         out.append(f"| {r['what']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['p99_over_p50']:.2f}x | "
-                   f"{r['block_spread']:.2f}x | {r['load_1min']} |")
+                   f"{r['block_spread']:.2f}x | {r['load_1min']} | {', '.join(r['executors']) or 'nothing'} |")
     out.append(f"\n{blocks} blocks of {runs} runs per model after the warm-up, one process; the hybrid as compiled "
                "for this host (policy cost), delegate auto.")
     return "\n".join(out)
