@@ -192,7 +192,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("bundle_error", ("failed",), True, "another bundle refusal (reason says which)"),
     Kind("internal", ("failed", "rolled_back"), True, "a bug: the reason carries the error"),
     # after the trial started
-    Kind("unhealthy", ("rolled_back",), True, "the health gate failed (golden, errors, p95)"),
+    Kind("unhealthy", ("rolled_back",), True, "the health gate failed (golden, errors, p95 or p99 over its budget)"),
     Kind("swap_failed", ("rolled_back",), True, "the committed model did not load in the agent"),
     Kind("swap_timeout", ("rolled_back",), True, "the committed model did not load in the agent within "
                                                  "update.swap_timeout_s (a hung library): the old one serves on"),
