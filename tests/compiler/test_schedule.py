@@ -19,7 +19,7 @@ from tvm import relax
 from support.cli import run_cli
 from tandoor_compiler import frontend, schedule
 from tandoor_compiler.passes import legalise_for_tvm
-from tandoor_host.bench import _relax_module
+from tandoor_host.kernels import relax_module as _relax_module
 from tandoor_host.kernels import tvm_pattern
 from tandoor_zoo import wild
 
