@@ -509,3 +509,21 @@ def simulated_outputs(model: onnx.ModelProto, groups: list, check: list[list[np.
                          for o, a in zip(g.outputs, g.simulated[k])})
         outs.append(sess.run(None, feed))
     return outs
+
+
+def simulated_runtime(model, samples: list[list[np.ndarray]] | None):
+    """The agent's ``executors.rknn_runtime`` on the host: each rknn order's ONNX rendering in the
+    toolkit's simulator, INT8 calibrated on the same activations as the compile (``samples``: the
+    model inputs the compile had, ``model``: its ONNX model), so a bundle runs here as the NPU
+    would run it: `compile --npu --max-drop` and the tests judge it so."""
+    from . import rknn
+
+    calib = split_samples(samples)[0] if samples else []
+
+    def make(ctx) -> rknn.Simulator:
+        names = [i["name"] for i in ctx.order["inputs"]]
+        dtype = (ctx.order.get("rknn") or {}).get("dtype", "fp16")
+        acts = activations(model, names, calib) if dtype == "int8" else []
+        return rknn.Simulator(ctx.bundle.read(ctx.part["onnx"]), dtype, [[a[n] for n in names] for a in acts])
+
+    return make

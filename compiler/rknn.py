@@ -225,21 +225,3 @@ class Simulator:
                 self._proc.kill()
             self._proc = None
         self._tmp.cleanup()
-
-
-def simulated_runtime(model, samples: list[list[np.ndarray]] | None):
-    """The agent's ``executors.rknn_runtime`` on the host: each rknn order's ONNX rendering in the
-    toolkit's simulator, INT8 calibrated on the same activations as the compile (``samples``: the
-    model inputs the compile had, ``model``: its ONNX model), so a bundle runs here as the NPU
-    would run it: `compile --npu --max-drop` and the tests judge it so."""
-    from . import npu
-
-    calib = npu.split_samples(samples)[0] if samples else []
-
-    def make(ctx) -> Simulator:
-        names = [i["name"] for i in ctx.order["inputs"]]
-        dtype = (ctx.order.get("rknn") or {}).get("dtype", "fp16")
-        acts = npu.activations(model, names, calib) if dtype == "int8" else []
-        return Simulator(ctx.bundle.read(ctx.part["onnx"]), dtype, [[a[n] for n in names] for a in acts])
-
-    return make

@@ -250,7 +250,7 @@ def test_the_health_gate_passes_an_int8_npu_bundle_on_the_npu_within_what_the_si
     fp32 = agreement.tolerance(m["tolerance"], "y", "tvm")
     assert "simulator on 2 held-out calibration frame(s)" in rknn_path.why
 
-    monkeypatch.setattr(executors, "rknn_runtime", rknn.simulated_runtime(onnx.load(model), samples))
+    monkeypatch.setattr(executors, "rknn_runtime", npu.simulated_runtime(onnx.load(model), samples))
     rep = health_check(out, frames=2)
     assert rep.ok, rep.reason
     assert rep.path == "rknn"
@@ -297,7 +297,7 @@ def test_a_boards_profile_decides_the_npu_and_a_region_slower_there_stays_on_the
     model, samples = cnn(tmp_path), _frames(5)
     first = tmp_path / "first.hmod"
     compile_model(model, first, targets=["rk3588"], npu=True, npu_dtype="fp16", policy="all", measure="off")
-    monkeypatch.setattr(executors, "rknn_runtime", rknn.simulated_runtime(onnx.load(model), samples))
+    monkeypatch.setattr(executors, "rknn_runtime", npu.simulated_runtime(onnx.load(model), samples))
     prof = agent_profile.measure(first, runs=3, warmup=1, executors=("rknn", "onnxruntime"))
     agent_profile.write(prof, tmp_path / "board.json")
     [sub] = [s for name, s in prof["subgraphs"].items() if name.endswith("_rknn_0")]

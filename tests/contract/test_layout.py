@@ -50,6 +50,52 @@ def test_a_package_imports_only_what_the_architecture_allows(package):
     assert not bad, "\n".join(bad)
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Every Tandoor module -> the Tandoor modules it imports, at the top or inside a function
+    (a lazy import is still an arrow), relative imports resolved."""
+    mods: dict[str, Path] = {}
+    for pkg, folder in PACKAGES.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            parts = [pkg, *f.relative_to(ROOT / folder).with_suffix("").parts]
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph: dict[str, set[str]] = {}
+    for name, f in mods.items():
+        here = name.split(".") if f.name == "__init__.py" else name.split(".")[:-1]
+        edges = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom):
+                base = here[:len(here) - node.level + 1] if node.level else []
+                target = ".".join([*base, *([node.module] if node.module else [])])
+                for a in node.names:
+                    edges.add(f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target)
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+        graph[name] = {e for e in edges if e in mods and e != name}
+    return graph
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    """Issue 41: the layers only point down. A cycle (even through a lazy import inside a function)
+    means two modules that are really one, or a helper that lives in the wrong one."""
+    graph = _module_graph()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(v: str, path: list[str]) -> None:
+        state[v] = 1
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                cycles.append(path[path.index(w):] + [w])
+            elif w not in state:
+                visit(w, path + [w])
+        state[v] = 2
+
+    for v in sorted(graph):
+        if v not in state:
+            visit(v, [v])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
 def test_the_contract_needs_only_the_stdlib_numpy_and_cryptography():
     third_party = set()
     for path in (ROOT / "contract").rglob("*.py"):
