@@ -182,7 +182,7 @@ def key(model: str | Path, opts: Any, targets: list[str]) -> str:
         fields[f.name] = v
     fields["targets"] = list(targets)
     if getattr(opts, "npu", False):     # the toolkit lives in its own venv: its version by its dist-info
-        from . import rknn
+        from .backends.rknn import toolkit as rknn
 
         fields["rknn_toolkit"] = sorted(p.name for p in rknn.python().parents[1].glob("lib/python*/site-packages/"
                                                                                       "rknn_toolkit2-*.dist-info"))

@@ -107,8 +107,8 @@ class Group:
     why: dict[str, str] = field(default_factory=dict)    # op type -> reason
     specs: dict[str, tuple[list[int], str]] = field(default_factory=dict)   # name -> (shape, dtype)
     onnx_bytes: bytes = b""
-    kind: str = "onnx"           # the order's kind: "onnx", or "rknn" (compiler/npu.py picked it)
-    rknn: dict = field(default_factory=dict)    # an rknn order's toolkit facts (compiler/rknn.py)
+    kind: str = "onnx"           # the order's kind: "onnx", or "rknn" (compiler/backends/rknn/npu.py picked it)
+    rknn: dict = field(default_factory=dict)    # an rknn order's toolkit facts (compiler/backends/rknn/toolkit.py)
     rknn_blob: bytes = b""
     simulated: list = field(default_factory=list)   # rknn: the simulator's outputs on the check inputs
     tail: bool = False                # runs after the VM (module doc); its outputs may be any size
@@ -141,7 +141,7 @@ class Group:
                  "est": {}, "order": f"{member}.json", "onnx": f"{member}.onnx"}
         if self.kind == "rknn":
             entry.update(executor="rknn", kind="rknn", rknn=f"{member}.rknn",
-                         reason=f"rknn: {len(self.nodes)} node(s) the RK3588 NPU takes (compiler/npu.py)",
+                         reason=f"rknn: {len(self.nodes)} node(s) the RK3588 NPU takes (compiler/backends/rknn/npu.py)",
                          est={"source": "estimate (NPU op table)"})
         return entry
 
@@ -270,7 +270,7 @@ def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict],
     """(the model with each group as a placeholder node and without the tail, the groups with the
     tail last); the model itself when no node needs onnxruntime. ``inputs``: the model's input
     specs (for sizing outputs by running it). ``npu``: groups of node indices the NPU takes
-    (compiler/npu.py pick, disjoint from ``reasons``), each with its nodes' reasons: they become
+    (compiler/backends/rknn/npu.py pick, disjoint from ``reasons``), each with its nodes' reasons: they become
     groups of kind "rknn" (converted later); a node of the tail leaves its group."""
     nodes = list(model.graph.node)
     tail_at = _tail(model)

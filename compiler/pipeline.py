@@ -5,8 +5,8 @@ in one is an InternalError (exit 3) naming the stage, a bad input a CompileError
 
     load       frontend.load: read, check, normalise (compiler/normalise.py), pin shapes, fold;
                hatch.cut: nodes neither ACL nor the device's TVM runtime runs -> onnxruntime orders;
-               with npu, what the NPU's table takes (compiler/npu.py) -> rknn orders
-    npu        (npu only) each rknn order converted by the RKNN toolkit (compiler/rknn.py, its own
+               with npu, what the NPU's table takes (compiler/backends/rknn/npu.py) -> rknn orders
+    npu        (npu only) each rknn order converted by the RKNN toolkit (compiler/backends/rknn/, its own
                venv) and checked in its simulator against onnxruntime; past its tolerance: refused
     import     importer.to_relax: ONNX -> Relax with weights as constants
     optimise   passes.optimise: fold, NHWC, layout transposes cancelled
@@ -47,8 +47,10 @@ import numpy as np
 from tandoor_contract import agreement, durable, hmod, media, orders, probe
 
 from . import cache as cache_mod
-from . import check_facts, frontend, npu, order_onnx, quantize
-from . import rknn as rknn_mod
+from . import check_facts, frontend, order_onnx, quantize
+from .backends.rknn import npu
+from .backends.rknn import stages as npu_stages
+from .backends.rknn import toolkit as rknn_mod
 from . import profile as profile_mod
 from . import targets as targets_mod
 from .errors import CompileError, InternalError
@@ -81,8 +83,8 @@ class Options:
     decoder: str | None = None
     decoder_options: dict = field(default_factory=dict)  # conf, iou, max_det and the decoder's own
     cache: bool = True            # take the bundle from the compile cache when it holds it (compiler/cache.py)
-    # the RK3588's NPU (compiler/npu.py): what its table takes becomes rknn orders, converted by the
-    # RKNN toolkit (compiler/rknn.py) in int8 (calibrated on npu_samples: model inputs made from the
+    # the RK3588's NPU (compiler/backends/rknn/): what its table takes becomes rknn orders, converted by the
+    # RKNN toolkit (compiler/backends/rknn/toolkit.py) in int8 (calibrated on npu_samples: model inputs made from the
     # calibration frames by the bundle's preprocessing) or fp16
     npu: bool = False
     npu_dtype: str = "int8"
@@ -280,15 +282,15 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
             board_profile = profile_mod.load_for_compile(opts.profile, loaded, "aarch64")
             npu_source = npu.apply_profile(picked, board_profile, opts.name or loaded.name,
                                            list(loaded.proto.graph.node))
-        loaded.tvm_proto, loaded.hatch = _cut(loaded, opts, picked)
+        loaded.tvm_proto, loaded.hatch = npu_stages.cut(loaded, opts.name or loaded.name, picked)
     for g in loaded.hatch:
         say(f"{g.symbol}: {len(g.nodes)} node(s) to {'the NPU' if g.kind == 'rknn' else 'onnxruntime'}"
             + (f" ({', '.join(g.op_types)})" if g.kind == "onnx" else "") + (" after the TVM part" if g.tail else ""))
     converted = None
     if picked is not None:
         with stage("npu", timings):
-            converted = _npu(loaded, opts, picked, say)
-            npu_summary = _npu_manifest(loaded, picked, converted.orders, npu_source)
+            converted = npu_stages.convert(loaded, opts, picked, say, GOLDEN_PAIRS)
+            npu_summary = npu_stages.manifest(loaded, picked, converted.orders, npu_source)
     _media(opts, [i.as_dict() for i in loaded.inputs], {})     # a bad --mean or --decoder fails here, before the work
     say("importing into TVM Relax")
     with stage("import", timings):
@@ -319,7 +321,7 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
         golden, tolerance = _golden_members(loaded, members, converted.check[:GOLDEN_PAIRS]
                                             if converted is not None and converted.held_out else None)
         if converted is not None and converted.orders:
-            _rknn_promise(tolerance, loaded, converted, opts.npu_dtype)
+            npu_stages.promise(tolerance, loaded, converted, opts.npu_dtype)
     manifest = _manifest(loaded, opts, plan, facts, parts_manifest, target_entries, golden, model, members,
                          tolerance)
     if npu_summary is not None:
@@ -445,69 +447,6 @@ def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
                 loaded.hatch)
 
 
-def _npu_manifest(loaded: frontend.LoadedModel, picked: npu.Pick, converted: list[dict], source: str) -> dict:
-    """The manifest's ``npu``: FLOPs (of the ONNX model, compiler/npu.py's count) in rknn orders,
-    each order's toolkit facts and simulator check, and why the rest stayed on the CPU."""
-    from collections import Counter
-
-    nodes = list(loaded.proto.graph.node)
-    total = sum(picked.flops.values())
-    on_npu = sum(picked.flops[k] for g in picked.groups for k in g)
-    why = Counter(f"{nodes[k].op_type}: {r}" for k, r in {**picked.refused, **picked.dropped}.items())
-    return {"target_platform": rknn_mod.TARGET_PLATFORM, "flops_total": round(total), "flops_rknn": round(on_npu),
-            "share": round(on_npu / total, 4) if total else 0.0, "source": source,
-            "orders": converted,
-            "cpu": [{"why": w, "nodes": n} for w, n in why.most_common()]}
-
-
-def _cut(loaded: frontend.LoadedModel, opts: Options, picked: npu.Pick | None):
-    """hatch.cut with the NPU's groups (``picked.groups``) as rknn groups."""
-    return hatch.cut(loaded.proto, opts.name or loaded.name, [i.as_dict() for i in loaded.inputs],
-                     npu=[(g, picked.taken) for g in picked.groups] if picked else ())
-
-
-def _npu(loaded: frontend.LoadedModel, opts: Options, picked: npu.Pick, say) -> npu.Converted:
-    """Convert the rknn groups; a region the toolkit cannot convert stays on the CPU (ACL/TVM, as
-    without --npu): the model is cut again without it, the others keep their conversion."""
-    probes = [probe.inputs({"inputs": [i.as_dict() for i in loaded.inputs]}, seed=k + 1) for k in range(GOLDEN_PAIRS)]
-    converted = npu.convert_groups(loaded.proto, loaded.hatch, dtype=opts.npu_dtype, samples=opts.npu_samples,
-                                   probe_inputs=probes, say=say, judged=opts.npu_judged)
-    if converted.failed:
-        nodes = list(loaded.proto.graph.node)
-        why = {o: converted.failed[g.symbol] for g in loaded.hatch if g.symbol in converted.failed
-               for n in g.nodes for o in n.output}
-        kept = []
-        for members in picked.groups:
-            failed = next((why[o] for k in members for o in nodes[k].output if o in why), None)
-            if failed is None:
-                kept.append(members)
-            else:
-                picked.refused.update({k: f"the RKNN toolkit could not convert its region ({failed[:160]})"
-                                       for k in members})
-        picked.groups = kept
-        old, (loaded.tvm_proto, loaded.hatch) = loaded.hatch, _cut(loaded, opts, picked)
-        npu.keep_converted(old, loaded.hatch)
-        converted.orders = [{"symbol": g.symbol, **g.rknn} for g in loaded.hatch if g.kind == "rknn"]
-    return converted
-
-
-def _rknn_promise(tolerance: dict, loaded: frontend.LoadedModel, converted: npu.Converted, dtype: str) -> None:
-    """Each output's promise on the ``rknn`` path (tandoor_contract.agreement): the worst error the
-    simulator's NPU outputs made in the model's outputs on the check inputs, doubled for the NPU's
-    own rounding, and never tighter than fp32's."""
-    names = [o.name for o in loaded.outputs]
-    got = npu.simulated_outputs(loaded.proto, loaded.hatch, converted.check)
-    want = [[a[n] for n in names] for a in npu.activations(loaded.proto, names, converted.check)]
-    version = converted.orders[0]["toolkit_version"]
-    for j, name in enumerate(names):
-        err = max(float(np.max(np.abs(np.asarray(g[j], np.float64) - np.asarray(w[j], np.float64)), initial=0.0))
-                  for g, w in zip(got, want))
-        entry = tolerance["outputs"].setdefault(name, {"atol": tolerance["atol"], "rtol": tolerance["rtol"]})
-        entry.setdefault("paths", {})["rknn"] = {
-            "atol": float(max(entry["atol"], 2 * err)), "rtol": entry["rtol"],
-            "why": f"the NPU's {dtype} in rknn-toolkit2 {version}'s simulator on {converted.source}: worst abs err "
-                   f"{err:.3g}, doubled for the NPU's own rounding"}
-        tolerance["atol"] = max(tolerance["atol"], entry["paths"]["rknn"]["atol"])
 
 
 def _measures(opts: Options, tgts, plan: Plan) -> bool:

@@ -56,7 +56,7 @@ FALLBACK = "tvm"
 # that neither ACL nor the device's TVM runtime can run (an op TVM's importer lacks, or one TVM
 # lowers to a function only its compiler library registers); ``ops`` is empty, ``onnx_ops`` lists
 # the ONNX op types, and the order's ONNX rendering (the original nodes) is all there is to run.
-# "rknn": nodes the RK3588's NPU takes (compiler/npu.py), as the toolkit's ``.rknn`` model (the
+# "rknn": nodes the RK3588's NPU takes (compiler/backends/rknn/npu.py), as the toolkit's ``.rknn`` model (the
 # manifest entry's ``rknn`` member) and as their ONNX rendering, which onnxruntime runs wherever the
 # NPU's runtime is missing or of another version; ``rknn`` holds {"toolkit_version", "dtype",
 # "target_platform", "tolerance", "check"} (docs/npu.md).

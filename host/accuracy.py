@@ -93,7 +93,8 @@ def simulated_npu(model: str | Path, inputs, samples: list[list[np.ndarray]] | N
     ``executors.rknn_runtime``), calibrated as `compile --npu` calibrated them on ``samples`` (the
     model inputs it made from --calibration), so the host judges what the NPU would give."""
     from tandoor_agent.run import executors
-    from tandoor_compiler import frontend, npu
+    from tandoor_compiler import frontend
+    from tandoor_compiler.backends.rknn import npu
 
     was = executors.rknn_runtime
     executors.rknn_runtime = npu.simulated_runtime(frontend.load(model, list(inputs)).proto, samples)

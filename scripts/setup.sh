@@ -76,7 +76,7 @@ fi
 
 # The RKNN toolkit (rknn-toolkit2, `tandoor compile --npu`) pins numpy<=1.26, onnx<=1.18,
 # protobuf<=4.25 and torch<=2.4, so it lives in its own venv, driven by the compiler as a
-# subprocess (compiler/rknn_worker.py); x86_64 hosts only (its wheels are x86_64 and aarch64,
+# subprocess (compiler/backends/rknn/worker.py); x86_64 hosts only (its wheels are x86_64 and aarch64,
 # the aarch64 one for boards that convert on the board). Torch: its Linux wheels <= 2.4 pull the
 # CUDA stack, so the toolkit goes in without dependencies, then its dependencies with the venv's
 # pins, then the CPU torch pip finds (the toolkit imports and runs with it; docs/npu.md).

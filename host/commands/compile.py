@@ -85,7 +85,7 @@ from ..cli_base import debug_option, decoder_options, floats
                    "targets want) on --calibration's images, preprocessed by the flags above, and compile the QDQ "
                    "model.")
 @click.option("--npu", is_flag=True,
-              help="RK3588: what the NPU's op table takes (compiler/npu.py) becomes rknn orders, converted by the RKNN "
+              help="RK3588: what the NPU's op table takes (compiler/backends/rknn/npu.py) becomes rknn orders, converted by the RKNN "
                    "toolkit (.venv-rknn) and checked in its simulator; needs --target rk3588 (docs/npu.md).")
 @click.option("--npu-dtype", type=click.Choice(["int8", "fp16"]), default="int8", show_default=True,
               help="With --npu: INT8 calibrated on --calibration's frames (preprocessed by the flags above), or fp16.")
@@ -211,7 +211,7 @@ NPU_FRAMES = 50      # frames of a video for --npu, every fifth held out for the
 
 def _npu_fix(npu: dict) -> str:
     """What to try when the NPU's answers are past --max-drop: the layers the simulator's per-layer
-    report says hurt most (compiler/rknn_worker.py), then the usual ways out."""
+    report says hurt most (compiler/backends/rknn/worker.py), then the usual ways out."""
     worst = sorted((r for o in npu.get("orders") or () for r in o.get("worst_layers") or ()),
                    key=lambda r: r["cosine"])[:5]
     hurt = ("Layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})" for r in worst)

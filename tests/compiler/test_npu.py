@@ -1,4 +1,4 @@
-"""The RK3588's NPU as a delegate (compiler/npu.py, compiler/rknn.py, agent/run/executors/rknn.py),
+"""The RK3588's NPU as a delegate (compiler/backends/rknn/npu.py, compiler/backends/rknn/toolkit.py, agent/run/executors/rknn.py),
 with the real RKNN toolkit in .venv-rknn (scripts/setup.sh) and its real simulator: compile --npu
 against onnxruntime, refusals, the rknn executor driven by the simulator, and the fallback where
 the host has no librknnrt.so (the agent runs the order's ONNX rendering and says why).
@@ -21,7 +21,8 @@ from onnx import helper
 from onnx import numpy_helper as nh
 
 from support.cli import manifest_of, run_cli
-from tandoor_compiler import npu, rknn
+from tandoor_compiler.backends.rknn import npu
+from tandoor_compiler.backends.rknn import toolkit as rknn
 from tandoor_compiler.errors import CompileError
 from tandoor_compiler.pipeline import compile_model
 
@@ -156,7 +157,7 @@ def test_the_npu_table_refuses_what_the_npu_cannot_take_with_reasons(tmp_path):
     picked = npu.pick(model)
     assert picked.groups == []
     assert picked.refused[0] == "both operands are activations; the NPU's matmul takes a constant weight here"
-    assert picked.refused[1] == "not in the NPU's op table (compiler/npu.py)"
+    assert picked.refused[1] == "not in the NPU's op table (compiler/backends/rknn/npu.py)"
     assert picked.refused[2].startswith("u has rank 5")
 
 

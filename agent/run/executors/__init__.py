@@ -165,7 +165,7 @@ def _build_rknn(ctx: BuildContext):
 
 
 # An RKNNLite-shaped runtime for rknn orders instead of RKNNLite itself: ``rknn_runtime(ctx)``. None
-# on boards; tests on the host set the toolkit's simulator (tandoor_compiler.rknn.Simulator).
+# on boards; tests on the host set the toolkit's simulator (tandoor_compiler.backends.rknn.toolkit.Simulator).
 rknn_runtime: Callable[[BuildContext], Any] | None = None
 
 

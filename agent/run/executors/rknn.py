@@ -15,7 +15,7 @@ other runner) and ``status`` says ``npu: unavailable (<reason>)``:
 
 ``runtime`` injects an RKNNLite-shaped object (load_rknn, init_runtime(core_mask=),
 inference(inputs=, data_format=), get_sdk_version, release): on the host, the toolkit's simulator
-(tandoor_compiler.rknn.Simulator) drives this same code in tests.
+(tandoor_compiler.backends.rknn.toolkit.Simulator) drives this same code in tests.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ Python (scripts/setup.sh), never imported by the compiler's own venv (the toolki
 onnx<=1.18, protobuf<=4.25 and imports torch).
 
 It speaks a small versioned request/response in JSON (``PROTOCOL``); the compiler's side is
-compiler/rknn.py. Two ways to run it:
+compiler/backends/rknn/toolkit.py. Two ways to run it:
 
-    python rknn_worker.py REQUEST.json RESPONSE.json      one request, one response (convert)
-    python rknn_worker.py --serve                          JSON lines on stdin -> JSON lines on stdout:
+    python worker.py REQUEST.json RESPONSE.json      one request, one response (convert)
+    python worker.py --serve                          JSON lines on stdin -> JSON lines on stdout:
                                                            a "build" then any number of "infer"
                                                            (the simulator behind the agent's rknn
                                                            executor on the host)
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
         serve()
         return 0
     if len(argv) != 3:
-        print("usage: rknn_worker.py REQUEST.json RESPONSE.json | --serve", file=sys.stderr)
+        print("usage: worker.py REQUEST.json RESPONSE.json | --serve", file=sys.stderr)
         return 2
     req = json.load(open(argv[1]))
     os.dup2(2, 1)

@@ -2,7 +2,7 @@
 op type, with a check that returns None when the NPU can take a node or a one-line reason when it
 cannot (the style of compiler/acl.py). ``pick`` applies the table to a loaded model; the nodes it
 takes are cut out like the escape hatch's (compiler/hatch.py) and become orders of kind "rknn"
-(contract/orders.py), converted by the toolkit in its own venv (compiler/rknn.py).
+(contract/orders.py), converted by the toolkit in its own venv (compiler/backends/rknn/toolkit.py).
 
 The table works on ONNX nodes, before TVM sees the model: the toolkit converts ONNX, and the
 order's ONNX rendering (its fallback) is the original nodes. Constraints kept here are the ones
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from . import hatch
+from ... import hatch
 
 
 @dataclass
@@ -208,7 +208,7 @@ def refusal(node: onnx.NodeProto, ctx: Ctx) -> str | None:
         return f"an op of domain {node.domain}"
     entry = OPS.get(node.op_type)
     if entry is None:
-        return "not in the NPU's op table (compiler/npu.py)"
+        return "not in the NPU's op table (compiler/backends/rknn/npu.py)"
     return _tensor_reason(node, ctx) or entry.check(node, ctx)
 
 
@@ -388,8 +388,8 @@ def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples:
     real frames on which the model's answers agree (rknn.answers_disagree: top-1 kept, the other
     outputs' cosine), which is what decides there (fp16 too). With ``judged`` (`--max-drop`: the
     caller judges the bundle's answers on real frames) it is said, recorded as ``past``, and kept."""
-    from . import rknn
-    from .errors import CompileError
+    from . import toolkit as rknn
+    from ...errors import CompileError
 
     calib, check = split_samples(samples) if samples else ([], probe_inputs)
     done = Converted([], check, bool(samples), {})
@@ -450,7 +450,7 @@ def _answers(model: onnx.ModelProto, g, simulated: list, check: list[list[np.nda
     (its simulator's outputs ``simulated``), against onnxruntime fp32: rknn.answers_disagree."""
     import onnxruntime as ort
 
-    from . import rknn
+    from . import toolkit as rknn
 
     was, g.simulated = g.simulated, simulated
     try:
@@ -516,7 +516,7 @@ def simulated_runtime(model, samples: list[list[np.ndarray]] | None):
     toolkit's simulator, INT8 calibrated on the same activations as the compile (``samples``: the
     model inputs the compile had, ``model``: its ONNX model), so a bundle runs here as the NPU
     would run it: `compile --npu --max-drop` and the tests judge it so."""
-    from . import rknn
+    from . import toolkit as rknn
 
     calib = split_samples(samples)[0] if samples else []
 

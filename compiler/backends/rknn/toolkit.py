@@ -1,5 +1,5 @@
 """The compiler's side of the RKNN toolkit: it lives in its own venv (``.venv-rknn``, made by
-scripts/setup.sh on x86_64 hosts) and is driven as a subprocess through compiler/rknn_worker.py's
+scripts/setup.sh on x86_64 hosts) and is driven as a subprocess through compiler/backends/rknn/worker.py's
 versioned JSON request/response. Nothing here imports the toolkit.
 
 ``convert`` turns one rknn group's ONNX rendering into a ``.rknn`` for rk3588 (INT8 calibrated on
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CompileError
+from ...errors import CompileError
 
 PROTOCOL = 1
-WORKER = Path(__file__).with_name("rknn_worker.py")
+WORKER = Path(__file__).with_name("worker.py")
 TARGET_PLATFORM = "rk3588"
 DTYPES = ("int8", "fp16")
 MISSING = "--npu needs the RKNN toolkit: run scripts/setup.sh on an x86_64 host"

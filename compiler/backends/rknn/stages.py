@@ -1,0 +1,80 @@
+"""What ``compile --npu`` adds to the pipeline (compiler/pipeline.py calls these in this order):
+``cut`` the model at the regions the NPU's table picked (the rest stays for ACL, TVM and the escape
+hatch), ``convert`` them with the RKNN toolkit (a region it refuses goes back to the CPU and the
+model is cut again), then the manifest's ``npu`` (``manifest``) and each output's promise on the
+``rknn`` path (``promise``). ``loaded`` is frontend.LoadedModel; ``opts`` the pipeline's Options."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from tandoor_contract import probe
+
+from ... import hatch
+from . import npu, toolkit
+
+
+def manifest(loaded, picked: npu.Pick, converted: list[dict], source: str) -> dict:
+    """The manifest's ``npu``: FLOPs (of the ONNX model, compiler/backends/rknn/npu.py's count) in rknn orders,
+    each order's toolkit facts and simulator check, and why the rest stayed on the CPU."""
+    nodes = list(loaded.proto.graph.node)
+    total = sum(picked.flops.values())
+    on_npu = sum(picked.flops[k] for g in picked.groups for k in g)
+    why = Counter(f"{nodes[k].op_type}: {r}" for k, r in {**picked.refused, **picked.dropped}.items())
+    return {"target_platform": toolkit.TARGET_PLATFORM, "flops_total": round(total), "flops_rknn": round(on_npu),
+            "share": round(on_npu / total, 4) if total else 0.0, "source": source,
+            "orders": converted,
+            "cpu": [{"why": w, "nodes": n} for w, n in why.most_common()]}
+
+
+def cut(loaded, name: str, picked: npu.Pick | None):
+    """hatch.cut with the NPU's groups (``picked.groups``) as rknn groups (none: the escape hatch's
+    own groups only)."""
+    return hatch.cut(loaded.proto, name, [i.as_dict() for i in loaded.inputs],
+                     npu=[(g, picked.taken) for g in picked.groups] if picked else ())
+
+
+def convert(loaded, opts, picked: npu.Pick, say, golden_pairs: int) -> npu.Converted:
+    """Convert the rknn groups; a region the toolkit cannot convert stays on the CPU (ACL/TVM, as
+    without --npu): the model is cut again without it, the others keep their conversion."""
+    probes = [probe.inputs({"inputs": [i.as_dict() for i in loaded.inputs]}, seed=k + 1) for k in range(golden_pairs)]
+    converted = npu.convert_groups(loaded.proto, loaded.hatch, dtype=opts.npu_dtype, samples=opts.npu_samples,
+                                   probe_inputs=probes, say=say, judged=opts.npu_judged)
+    if converted.failed:
+        nodes = list(loaded.proto.graph.node)
+        why = {o: converted.failed[g.symbol] for g in loaded.hatch if g.symbol in converted.failed
+               for n in g.nodes for o in n.output}
+        kept = []
+        for members in picked.groups:
+            failed = next((why[o] for k in members for o in nodes[k].output if o in why), None)
+            if failed is None:
+                kept.append(members)
+            else:
+                picked.refused.update({k: f"the RKNN toolkit could not convert its region ({failed[:160]})"
+                                       for k in members})
+        picked.groups = kept
+        old, (loaded.tvm_proto, loaded.hatch) = loaded.hatch, cut(loaded, opts.name or loaded.name, picked)
+        npu.keep_converted(old, loaded.hatch)
+        converted.orders = [{"symbol": g.symbol, **g.rknn} for g in loaded.hatch if g.kind == "rknn"]
+    return converted
+
+
+def promise(tolerance: dict, loaded, converted: npu.Converted, dtype: str) -> None:
+    """Each output's promise on the ``rknn`` path (tandoor_contract.agreement): the worst error the
+    simulator's NPU outputs made in the model's outputs on the check inputs, doubled for the NPU's
+    own rounding, and never tighter than fp32's."""
+    names = [o.name for o in loaded.outputs]
+    got = npu.simulated_outputs(loaded.proto, loaded.hatch, converted.check)
+    want = [[a[n] for n in names] for a in npu.activations(loaded.proto, names, converted.check)]
+    version = converted.orders[0]["toolkit_version"]
+    for j, name in enumerate(names):
+        err = max(float(np.max(np.abs(np.asarray(g[j], np.float64) - np.asarray(w[j], np.float64)), initial=0.0))
+                  for g, w in zip(got, want))
+        entry = tolerance["outputs"].setdefault(name, {"atol": tolerance["atol"], "rtol": tolerance["rtol"]})
+        entry.setdefault("paths", {})["rknn"] = {
+            "atol": float(max(entry["atol"], 2 * err)), "rtol": entry["rtol"],
+            "why": f"the NPU's {dtype} in rknn-toolkit2 {version}'s simulator on {converted.source}: worst abs err "
+                   f"{err:.3g}, doubled for the NPU's own rounding"}
+        tolerance["atol"] = max(tolerance["atol"], entry["paths"]["rknn"]["atol"])
