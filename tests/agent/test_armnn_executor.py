@@ -747,7 +747,7 @@ def test_run_into_without_pyarmnn_swig_classes(monkeypatch):
     o, nodes, inits = _chain()
     order, blob = o.build(["y"])
     with ax.ArmnnExecutor(order, blob) as ex:
-        monkeypatch.setattr(ax, "_raw", None)
+        monkeypatch.setattr(armnn_api, "_raw", None)   # the binding the executor reads at run time
         x = rand(1, 8, 8, 3)
         y = np.empty((1, 8, 8, 4), np.float32)
         ex.run_into([x], [y])
