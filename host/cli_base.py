@@ -127,3 +127,17 @@ def decoder_options(pairs: tuple[str, ...]) -> dict:
             raise CompileError(f"--decoder-option {pair!r}: expected KEY=JSON, e.g. strides=[8,16,32] or agnostic=true") from None
     return out
 
+
+@contextlib.contextmanager
+def progress(what: str, quiet: bool = False):
+    """A spinner on stderr saying ``what`` runs, and the callback long work reports its steps to
+    (each shown on the spinner and logged above it); ``quiet`` (``--json``) shows nothing."""
+    from rich.console import Console
+
+    console = Console(stderr=True, quiet=quiet)
+    with console.status(what) as status:
+        def say(msg: str) -> None:
+            status.update(msg)
+            console.log(msg)
+
+        yield say

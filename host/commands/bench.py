@@ -12,6 +12,7 @@ from tandoor_contract import hmod, orders
 
 from ..inputs import InputFile
 
+from ..cli_base import progress as cli_progress
 from ..cli_base import debug_option, fail
 
 
@@ -44,8 +45,6 @@ def bench(model, inputs, runs, blocks, warmup, policy, executors, include_armnn,
           count):
     """onnxruntime vs TVM only vs the hybrid module per executor, in one process.
     With --int8: what INT8 buys, route by route."""
-    from rich.console import Console
-
     from .. import bench as bench_mod
 
     if int8_model is None and (images is not None or count is not None):
@@ -53,12 +52,8 @@ def bench(model, inputs, runs, blocks, warmup, policy, executors, include_armnn,
     if int8_model is not None and (kernels or plot or executors or include_armnn or policy != "cost"):
         raise CompileError("--int8 times fixed fp32 and INT8 routes; --kernels, --plot, --executor, --armnn and "
                            "--policy belong to the plain tandoor bench MODEL")
-    console = Console(stderr=True, quiet=as_json)
     try:
-        with console.status("benchmarking") as status:
-            def progress(msg: str) -> None:
-                status.update(msg)
-                console.log(msg)
+        with cli_progress("benchmarking", quiet=as_json) as progress:
             if int8_model is not None:
                 from ..bench_int8 import run_int8
 

@@ -12,6 +12,7 @@ from tandoor_contract import hmod, orders
 
 from ..inputs import InputFile
 
+from ..cli_base import progress as cli_progress
 from ..cli_base import debug_option, fail
 
 
@@ -31,12 +32,8 @@ def profile(bundle, out, runs, warmup, executors, as_json):
 
     from tandoor_agent.run import profile as prof
 
-    console = Console(stderr=True, quiet=as_json)
     try:
-        with console.status("profiling") as status:
-            def progress(msg: str) -> None:
-                status.update(msg)
-                console.log(msg)
+        with cli_progress("profiling", quiet=as_json) as progress:
             res = prof.measure(bundle, runs=runs, warmup=warmup, executors=tuple(executors) or prof.EXECUTORS,
                                progress=progress)
         if out:
