@@ -341,6 +341,8 @@ def profile(bundle, out, runs, warmup, executors, as_json):
         if isinstance(v, dict) and "total_us" in v:
             click.echo(f"whole model with {e}: {v['total_us'] / 1e3:.2f} ms (delegated {v['delegated_us'] / 1e3:.2f} ms, "
                        f"TVM side {v['tvm_side_us'] / 1e3:.2f} ms)")
+        elif isinstance(v, dict) and "error" in v:
+            click.echo(f"whole model with {e}: not measured: {v['error']}")
     if out is not None:
         click.echo(f"profile written to {out}; on the host: tandoor compile MODEL.onnx --profile {out.name} ...")
 

@@ -176,7 +176,8 @@ def measure(bundle_path: str | Path, runs: int = 20, warmup: int = 5,
 
 def _measure_model(bundle, executors, runs, warmup, rng, progress) -> dict:
     """The whole hybrid module per executor: total, delegated and the TVM side (total minus the
-    delegate calls)."""
+    delegate calls). An executor that cannot build the module, or runs none of its orders, gets
+    ``{"error": why}`` instead of numbers, and stays out of the TVM side's median."""
     from . import runtime
 
     inputs = [probe.random_input(rng, i) for i in bundle.manifest["inputs"]]
@@ -195,6 +196,12 @@ def _measure_model(bundle, executors, runs, warmup, rng, progress) -> dict:
             out[kind] = {"error": board.first_line(err)}
             continue
         try:
+            ran = {s.executor for s in hm.subgraphs}
+            if ran and kind not in ran:
+                # every order fell back (rknn with no NPU orders, say): its time is another executor's
+                out[kind] = {"error": f"{kind} runs none of this bundle's orders "
+                                      f"(they fell back to {', '.join(sorted(ran))})"}
+                continue
             for _ in range(warmup):
                 hm.run(inputs)
             hm.reset_stats()

@@ -66,5 +66,7 @@ def profile(bundle, out, runs, warmup, executors, as_json):
         if isinstance(v, dict) and "total_us" in v:
             c.print(f"whole model with {e}: {v['total_us'] / 1e3:.2f} ms (delegated {v['delegated_us'] / 1e3:.2f} ms, "
                     f"TVM side {v['tvm_side_us'] / 1e3:.2f} ms)")
+        elif isinstance(v, dict) and "error" in v:
+            c.print(f"whole model with {e}: not measured: {v['error']}", markup=False, soft_wrap=True)
     if out:
         c.print(f"profile written to {out}")

@@ -148,6 +148,30 @@ def test_profile_is_keyed_and_measures_every_subgraph(profiled):
         assert s["tvm_us"] > 0 and s["exec_us"]["onnxruntime"] > 0 and s["bridge_us"]["onnxruntime"] >= 0
         assert s["ops"] == next(q["ops"] for q in man["partitions"] if q["symbol"] == sym)
     assert p["model"]["onnxruntime"]["total_us"] > 0 and p["model"]["tvm_side_us"] >= 0
+    # a whole-model time is its executor's: at least one subgraph really ran on it
+    timed = {e: v for e, v in p["model"].items() if isinstance(v, dict) and "total_us" in v}
+    assert timed and all(e in v["executors"].values() for e, v in timed.items()), timed
+
+
+def test_profile_of_an_executor_that_runs_no_order_is_an_error_not_a_time(profiled):
+    """The bundle has no NPU orders: asked for the whole model on rknn, every order falls back to
+    another executor, so there is no rknn time to report (it once printed Arm NN CpuRef's as rknn's)
+    and none goes into the TVM side's median; the CLI says so in one line."""
+    from tandoor_agent.run import profile as prof
+
+    bundle, _, _ = profiled
+    p = prof.measure(bundle, runs=1, warmup=0, executors=("rknn",))
+    rk = p["model"]["rknn"]
+    assert set(rk) == {"error"} and rk["error"].startswith("rknn runs none of this bundle's orders (they fell back to ")
+    fell_to = rk["error"].removesuffix(")").rsplit("fell back to ", 1)[1].split(", ")
+    assert fell_to and set(fell_to) <= set(prof.EXECUTORS) - {"rknn"}, rk
+    assert p["model"]["tvm_side_us"] is None
+    assert all("rknn" in s["unavailable"] and "rknn" not in s["exec_us"] for s in p["subgraphs"].values())
+    res = run_cli("tandoor-agent", "profile", str(bundle), "--runs", "1", "--warmup", "0", "--executor", "rknn",
+                  check=True)
+    [line] = [x for x in res.stdout.splitlines() if x.startswith("whole model with rknn")]
+    assert line == f"whole model with rknn: not measured: {rk['error']}", res.stdout
+    assert "Traceback" not in res.stderr
 
 
 def test_agent_profile_on_a_board_without_the_compiler_feeds_compile(profiled, small_model, tmp_path):
