@@ -134,7 +134,7 @@ def _load_inputs(b: hmod.Bundle, given: tuple[str, ...]) -> list[np.ndarray]:
               help="An image (PNG/JPEG) or a .npy array; NAME=FILE for one input of a multi-input model "
                    "(repeat it for each). Default: the bundle's first golden input.")
 @click.option("--delegate", type=click.Choice(executors.CHOICES), default="auto", show_default=True,
-              help="Executor tried first for delegated subgraphs (auto: armnn > onnxruntime > tvm); "
+              help="Executor tried first for delegated subgraphs (auto: rknn for rknn orders, then armnn where Arm NN has ACL (CpuAcc/GpuAcc), else onnxruntime > armnn > tvm); "
                    "one that cannot build a subgraph falls back to the next, with the reason logged.")
 @click.option("--backends", default="CpuAcc,GpuAcc,CpuRef", show_default=True, help="Arm NN backend preference.")
 @click.option("--trusted-key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),

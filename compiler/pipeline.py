@@ -3,7 +3,7 @@
 ``compile_model`` runs these stages, each a function below, in this order; an unexpected failure
 in one is an InternalError (exit 3) naming the stage, a bad input a CompileError (exit 2):
 
-    load       frontend.load: read, check, normalise (compiler/normalise.py), pin shapes, fold;
+    load       frontend.load: read, check, normalise (compiler/stages/normalise.py), pin shapes, fold;
                hatch.cut: nodes neither ACL nor the device's TVM runtime runs -> onnxruntime orders;
                with npu, what the NPU's table takes (compiler/backends/rknn/npu.py) -> rknn orders
     npu        (npu only) each rknn order converted by the RKNN toolkit (compiler/backends/rknn/, its own
@@ -44,14 +44,16 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import agreement, durable, hmod, media, orders, probe
+from tandoor_contract import agreement, backends, durable, hmod, media, orders, probe
 
 from . import cache as cache_mod
-from . import check_facts, frontend, order_onnx, quantize
+from .stages import check_facts, frontend
+from .backends.acl import order_onnx
+from .int8 import quantize
 from .backends.rknn import npu
 from .backends.rknn import stages as npu_stages
 from .backends.rknn import toolkit as rknn_mod
-from . import profile as profile_mod
+from .stages import profile as profile_mod
 from . import targets as targets_mod
 from .errors import CompileError, InternalError
 
@@ -102,7 +104,7 @@ def _tandoor_version() -> str:
         return "0"
 
 
-def _preprocess(opts: Options, shape: list[int], dtype: str = "float32") -> dict | None:
+def preprocess_entry(opts: Options, shape: list[int], dtype: str = "float32") -> dict | None:
     """The manifest's preprocess entry for the first input (of ``shape`` and ``dtype``)."""
     if opts.mean is None and opts.std is None and not opts.bgr and opts.resize == "stretch" \
             and opts.pixel_range is None:
@@ -160,7 +162,7 @@ def _media(opts: Options, inputs: list[dict], members: dict) -> dict:
     return {
         "inputs": [{**i, "layout": (opts.layout or media.guess_layout(i["shape"])) if len(i["shape"]) == 4 else None}
                    for i in inputs],
-        "preprocess": _preprocess(opts, inputs[0]["shape"], inputs[0]["dtype"]) if inputs else None,
+        "preprocess": preprocess_entry(opts, inputs[0]["shape"], inputs[0]["dtype"]) if inputs else None,
         "postprocess": _postprocess(opts),
         "labels": "labels.txt" if opts.labels else None,
     }
@@ -267,7 +269,9 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     # these import TVM (2-3 s of a compile's start): here, so that a compile the cache serves never does
     global codegen, cost, hatch, importer, partition, passes, report
     with stage("startup", timings):
-        from . import codegen, cost, hatch, importer, partition, passes, report
+        from .stages import codegen, cost, importer, partition, passes
+        from .backends.onnx import hatch
+        from . import report
 
     say("loading and normalising the ONNX model")
     npu_summary = None
@@ -284,8 +288,8 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
                                            list(loaded.proto.graph.node))
         loaded.tvm_proto, loaded.hatch = npu_stages.cut(loaded, opts.name or loaded.name, picked)
     for g in loaded.hatch:
-        say(f"{g.symbol}: {len(g.nodes)} node(s) to {'the NPU' if g.kind == 'rknn' else 'onnxruntime'}"
-            + (f" ({', '.join(g.op_types)})" if g.kind == "onnx" else "") + (" after the TVM part" if g.tail else ""))
+        say(f"{g.symbol}: {len(g.nodes)} node(s) to {'the NPU' if g.kind == backends.RKNN else 'onnxruntime'}"
+            + (f" ({', '.join(g.op_types)})" if g.kind == backends.ONNX else "") + (" after the TVM part" if g.tail else ""))
     converted = None
     if picked is not None:
         with stage("npu", timings):
@@ -404,13 +408,13 @@ class Plan:
     model_us: float
     measured: profile_mod.Measured | None   # with compile --profile
     arch: str
-    hatch: list = field(default_factory=list)   # onnxruntime orders (compiler/hatch.py Group)
+    hatch: list = field(default_factory=list)   # onnxruntime orders (compiler/backends/onnx/hatch.py Group)
 
 
 def _partition(mod, loaded: frontend.LoadedModel, opts: Options, tgts, say,
                measured: profile_mod.Measured | None = None, policy: str | None = None,
                source: str = "profile") -> Plan:
-    """The ACL table's regions, each kept only if the cost policy (compiler/cost.py) says it pays:
+    """The ACL table's regions, each kept only if the cost policy (compiler/stages/cost.py) says it pays:
     from estimates, from a profile given with --profile, or from ``measured`` here."""
     total_flops = cost.module_flops(mod["main"])
     arch = cost.arch_of(tgts)
@@ -534,7 +538,7 @@ def _codegen(plan: Plan) -> tuple[dict, list[dict], dict]:
         if g.tail:      # not a VM call: the manifest's ``tail`` (_manifest) says how it runs
             continue
         members[f"{member}.json"] = json.dumps(g.order(), sort_keys=True, separators=(",", ":")).encode()
-        if g.kind == "rknn":
+        if g.kind == backends.RKNN:
             members[f"{member}.rknn"] = g.rknn_blob
         parts_manifest.append(g.manifest_entry(member))
     return members, parts_manifest, fallbacks
@@ -550,7 +554,7 @@ def _probe(order: dict, onnx_bytes: bytes, symbol: str, blob: bytes) -> bytes:
     import onnx
     import onnxruntime as ort
 
-    from .check_facts import requant_flips
+    from .stages.check_facts import requant_flips
 
     def session(model: bytes):
         so = ort.SessionOptions()
@@ -631,7 +635,7 @@ def _build(plan: Plan, fallbacks: dict, tgts, members: dict, say, gpu_mod=None, 
 def _golden(model: frontend.LoadedModel, n: int, inputs: list[list[np.ndarray]] | None = None) \
         -> tuple[list[tuple[list[np.ndarray], list[np.ndarray]]], list[dict[str, np.ndarray]], check_facts.Facts]:
     """``n`` golden pairs from onnxruntime (on ``inputs``, else probe inputs), each run's tensors
-    the check needs to know about (compiler/check_facts.py), and the model's facts."""
+    the check needs to know about (compiler/stages/check_facts.py), and the model's facts."""
     import onnxruntime as ort
 
     try:
@@ -655,7 +659,7 @@ def _golden(model: frontend.LoadedModel, n: int, inputs: list[list[np.ndarray]] 
 def _golden_members(loaded: frontend.LoadedModel, members: dict,
                     inputs: list[list[np.ndarray]] | None = None) -> tuple[list[dict], dict]:
     """The manifest's golden entries (outputs, the elements ties make arbitrary, and ``inputs``
-    when given, as members) and the tolerance the compiler promises (compiler/check_facts.py)."""
+    when given, as members) and the tolerance the compiler promises (compiler/stages/check_facts.py)."""
     golden = []
     pairs, runs, facts = _golden(loaded, GOLDEN_PAIRS, inputs)
     tied = [check_facts.ties(facts, run) for run in runs]

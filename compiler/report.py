@@ -9,9 +9,9 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from tandoor_contract import gpu as gpu_contract, hmod
+from tandoor_contract import backends, gpu as gpu_contract, hmod
 
-from . import hatch
+from .backends.onnx import hatch
 
 JSON_KEYS = ("format_version", "model", "targets", "inputs", "outputs", "ops_total", "ops_delegated",
              "delegation_ratio", "predicted_speedup", "boundaries")
@@ -43,17 +43,17 @@ def summary(bundle: hmod.Bundle) -> dict:
 
 def runs_on(p: dict) -> str:
     """Where a manifest partition runs: ACL (an order of layers), onnxruntime (an onnx order:
-    compiler/hatch.py) or TVM (kept in the TVM side)."""
+    compiler/backends/onnx/hatch.py) or TVM (kept in the TVM side)."""
     if not p["delegate"]:
         return "TVM"
-    return {"onnx": "onnxruntime", "rknn": "NPU"}.get(p.get("kind"), "ACL")
+    return {backends.ONNX: "onnxruntime", backends.RKNN: "NPU"}.get(p.get("kind"), "ACL")
 
 
 def onnxruntime_ops(partitions: list[dict]) -> list[dict]:
     """The ONNX nodes that went to onnxruntime, one row per op type: how many, in which orders, why."""
     rows: dict[str, dict] = {}
     for p in partitions:
-        if p.get("kind") != "onnx":
+        if p.get("kind") != backends.ONNX:
             continue
         for op in p["ops"]:
             op = op.removeprefix("onnx.")
@@ -115,7 +115,7 @@ def print_summary(info: dict) -> None:
             f"predicted speedup {info['predicted_speedup']:.2f}x, policy {info['policy']}, "
             f"layout transposes: {info['layout_transposes']}"
             + (f", ACL/TVM boundaries: {info['boundaries']}" if info.get("boundaries") is not None else ""))
-    if q := info.get("quantized"):   # an INT8 QDQ model (compiler/quantize.py)
+    if q := info.get("quantized"):   # an INT8 QDQ model (compiler/int8/quantize.py)
         c.print(f"INT8 ({q['format']}, {', '.join(f'{k} x{v}' for k, v in q['ops'].items())}): computed in "
                 f"{q['compute']} (atol {info['tolerance']['atol']:.3g})")
     for name, e in ((info.get("tolerance") or {}).get("outputs") or {}).items():   # the check's promise per output

@@ -32,8 +32,8 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {b.kind: b for b in [
     Backend(LAYERS, "acl", "ACL (Arm NN)", 1, ("armnn", "onnxruntime", "tvm"),
-            ("orders/{symbol}.bin", "orders/{symbol}.onnx", "orders/{symbol}.probe.npz"), "docs/bundle-format.md"),
-    Backend(ONNX, "onnx", "onnxruntime", 3, ("onnxruntime",), ("orders/{symbol}.onnx",), "docs/bundle-format.md"),
+            ("orders/{symbol}.bin", "orders/{symbol}.onnx", "orders/{symbol}.probe.npz"), "docs/acl.md"),
+    Backend(ONNX, "onnx", "onnxruntime", 3, ("onnxruntime",), ("orders/{symbol}.onnx",), "docs/escape-hatch.md"),
     Backend(RKNN, "rknn", "the NPU (RKNN)", 4, ("rknn", "onnxruntime"),
             ("orders/{symbol}.rknn", "orders/{symbol}.onnx"), "docs/npu.md"),
 ]}

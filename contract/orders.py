@@ -1,8 +1,8 @@
 """The order op vocabulary: every op type an order may hold, once, as data.
 
 An *order* (docs/bundle-format.md) is one delegated subgraph: tensors, weights and a list of ops.
-This table is what the compiler emits (compiler/acl.py names an op type per ACL entry), what the
-compiler renders as ONNX (compiler/order_onnx.py), what the Arm NN executor builds
+This table is what the compiler emits (compiler/backends/acl/ names an op type per ACL entry), what the
+compiler renders as ONNX (compiler/backends/acl/order_onnx.py), what the Arm NN executor builds
 (agent/run/executors/armnn.py) and what the format doc lists: each of those dispatches on
 ``OPS`` by name, and tests check that every consumer covers every entry. Adding an op type is an
 entry here plus one function in each consumer.

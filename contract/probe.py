@@ -151,7 +151,7 @@ class _Version(Exception):
 # An INT8 order's drift (optional ``d{j}`` entries, 2026-12-05; readers that do not know them keep
 # the strict rule): [fraction of the output's elements more than 1 step off, most steps off] between
 # the order as the compiler ran it and the same order with one requantization in twenty rounding a
-# step the other way (compiler/check_facts.requant_flips). One-step differences grow layer by
+# step the other way (compiler/stages/check_facts.requant_flips). One-step differences grow layer by
 # layer: EfficientNet-Lite0's residual blocks in one order ended 8% of their elements more than a
 # step apart, up to 45 steps, whichever layers rounded differently, and ACL on CpuAcc was as far
 # (8.6%, 41 steps) while the model's logits stayed within 2 of their 7 steps.

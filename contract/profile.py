@@ -1,7 +1,7 @@
 """The profile file's contract: its version and the facts of the machine it was measured on.
 
 A board measures its subgraphs with ``tandoor-agent profile`` (tandoor_agent.run.profile, which
-writes the file); ``tandoor compile --profile`` reads it (tandoor_compiler.profile) and refuses a
+writes the file); ``tandoor compile --profile`` reads it (tandoor_compiler.stages.profile) and refuses a
 profile whose key does not match what it compiles. Both sides describe a machine the same way,
 with the functions here.
 """

@@ -2,7 +2,7 @@
 
 An op whose output size depends on the data (NonMaxSuppression, NonZero, ...) cannot be a call
 inside TVM's VM, whose calls write into buffers sized before the call. The compiler
-(compiler/hatch.py) cuts such an op and everything after it into one ONNX rendering; the VM then
+(compiler/backends/onnx/hatch.py) cuts such an op and everything after it into one ONNX rendering; the VM then
 returns what the tail reads, and the tail makes the model's outputs, of any size. The manifest's
 ``tail`` (bundle format 3, docs/bundle-format.md)::
 

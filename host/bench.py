@@ -99,7 +99,7 @@ def memory_plan(mod, target_dict: dict) -> dict:
     from tvm import relax
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    from tandoor_compiler import schedule
+    from tandoor_compiler.stages import schedule
 
     t = tvm.target.Target(target_dict)
     with t:
@@ -309,7 +309,7 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
 
     import onnxruntime
 
-    from tandoor_compiler import frontend, schedule
+    from tandoor_compiler.stages import frontend, schedule
     from tandoor_compiler.errors import CompileError
     from tandoor_compiler.pipeline import Options, compile_model
 

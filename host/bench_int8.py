@@ -13,7 +13,7 @@ seeded input, timed in bench.py's interleaved blocks:
 
 Ratios are INT8 over fp32 per route, so < 1 is a gain. Sizes are the two host bundles' and their
 order weights'. With ``images``, the INT8 bundle's agreement with the fp32 model on them
-(host/accuracy.py, as `tandoor verify --images`), preprocessed as `tandoor quantize` recorded in
+(compiler/int8/accuracy.py, as `tandoor verify --images`), preprocessed as `tandoor quantize` recorded in
 the INT8 model.
 """
 
@@ -54,10 +54,10 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
     import onnxruntime
     import tvm
 
-    from tandoor_compiler import frontend
+    from tandoor_compiler.stages import frontend
     from tandoor_compiler.errors import CompileError
     from tandoor_compiler.pipeline import Options, compile_model
-    from tandoor_compiler.quantize import activations_for, activations_of, quantized_nodes, settings_of
+    from tandoor_compiler.int8.quantize import activations_for, activations_of, quantized_nodes, settings_of
 
     if runs < 1:
         raise CompileError("--runs must be at least 1")
@@ -88,7 +88,7 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
                    **({"fp32_lead": settings["fp32_lead"], "fp32_lead_why": settings.get("fp32_lead_why")}
                       if settings.get("fp32_lead") else {})}
     if images is not None:
-        from . import calibration as calib
+        from tandoor_compiler.int8 import calibration as calib
 
         calib.open_source(images, "--images")      # refused now, not after the compiles
     rng = np.random.default_rng(20261129)
@@ -180,7 +180,7 @@ def _ort_names(tag: str) -> list[tuple[str, bool]]:
 def _accuracy(bundle: Path, reference, images, count, preprocess) -> dict:
     from tandoor_compiler.errors import CompileError
 
-    from .accuracy import compare_on_images
+    from tandoor_compiler.int8.accuracy import compare_on_images
 
     if preprocess is None:
         raise CompileError("--images: the INT8 model records no preprocessing (it was not made by tandoor quantize); "
@@ -189,7 +189,7 @@ def _accuracy(bundle: Path, reference, images, count, preprocess) -> dict:
     # the bench bundle was compiled without flags: the images take the preprocessing quantize recorded
     res = compare_on_images(bundle, reference, images, count=count, delegate="auto", max_drop=1.0,
                             preprocess=preprocess)
-    from .accuracy import CLASS_KEYS
+    from tandoor_compiler.int8.accuracy import CLASS_KEYS
 
     keep = ("images", "source", *CLASS_KEYS, "box_agreement", "sqnr_db", "notes")
     return {k: res[k] for k in keep if k in res}
@@ -239,7 +239,7 @@ def print_int8(res: dict) -> None:
                 f"{act['fp32_lead_why']}")
     a = res.get("accuracy")
     if a:
-        from .agreement import describe
+        from tandoor_compiler.int8.agreement import describe
 
         said = [describe(a)] if a.get("confident_images") is not None else []
         said += [f"SQNR {k} {v:.1f} dB" for k, v in a["sqnr_db"].items()]

@@ -1,7 +1,7 @@
 """`tandoor bench --kernels`: where the time goes, TVM kernel by kernel beside onnxruntime node by node.
 
 TVM: the whole model compiled for the host as `--policy none` compiles it (the same passes and
-schedule rules, compiler/schedule.py), run in a Relax VM whose instrument times every call. Each
+schedule rules, compiler/stages/schedule.py), run in a Relax VM whose instrument times every call. Each
 fused PrimFunc is one kernel; its time is the median over the runs of its calls' sum in a run.
 Its pattern and the rule that scheduled it come from its TIR.
 
@@ -57,7 +57,7 @@ _ORT_CONVS = ("Conv", "FusedConv", "NhwcConv", "NhwcFusedConv")
 
 def relax_module(model, delegate: dict[str, bool]):
     """The TVM side of a bundle as compile_model builds it: `delegate` says which regions stay."""
-    from tandoor_compiler import codegen, importer, partition, passes
+    from tandoor_compiler.stages import codegen, importer, partition, passes
 
     mod, _ = passes.optimise(importer.to_relax(model))
     result = partition.partition(mod, model.name, lambda p: (delegate.get(p.symbol, False), "bench"))
@@ -131,8 +131,8 @@ def _tvm_build(model, progress):
     """The TVM-only module built in process, with each PrimFunc's pattern and schedule rule."""
     import tvm
 
-    from tandoor_compiler import schedule
-    from tandoor_compiler.passes import legalise_for_tvm
+    from tandoor_compiler.stages import schedule
+    from tandoor_compiler.stages.passes import legalise_for_tvm
 
 
     seen: dict = {}

@@ -1,13 +1,11 @@
-"""`tandoor quantize`: an fp32 model + real images -> a QDQ INT8 model (compiler/quantize.py), the
-images preprocessed as the bundle will preprocess the camera's frames (host/calibration.py)."""
+"""`tandoor quantize`: an fp32 model + real images -> a QDQ INT8 model (compiler/int8/quantize.py), the
+images preprocessed as the bundle will preprocess the camera's frames (compiler/int8/calibration.py)."""
 
 from __future__ import annotations
 
-import os
+import json
 import sys
 from pathlib import Path
-
-import json
 
 import click
 from tandoor_compiler.errors import CompileError
@@ -62,61 +60,64 @@ def budget_options(f):
                         help="With --max-drop: a directory of images or a video calibration did not see.")(f)
 
 
-def check_budget(validation, max_drop, *, model, inputs=(), decoder: str | None = None) -> None:
-    """Refuse a budget that cannot be judged before any work: the two options apart, validation
-    images that are not there, or outputs with nothing to agree on (no class scores, no boxes)."""
-    if (validation is None) != (max_drop is None):
-        raise CompileError("--max-drop and --validation go together: give the budget and the images calibration "
-                           "did not see to judge it on, or neither")
-    if validation is None:
-        return
-    from tandoor_compiler import frontend
+def preprocess_kwargs(*, mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range) -> dict:
+    """The compiler's keywords (pipeline.Options fields) for the preprocessing flags, as tandoor
+    compile and tandoor quantize take them (--mean/--std parsed to lists)."""
+    from .cli_base import floats
 
-    from . import calibration as calib
-    from .accuracy import judged_by
-
-    calib.open_source(validation, "--validation")      # refused now, not after minutes of work
-    outputs = [o.as_dict() for o in frontend.load(model, list(inputs)).outputs]
-    if judged_by({"outputs": outputs, "postprocess": {"decoder": decoder} if decoder else None}) is None:
-        raise CompileError(NOTHING_TO_JUDGE)
+    return dict(mean=floats(mean, "--mean"), std=floats(std, "--std"), layout=layout, bgr=bgr, resize=resize,
+                letterbox_align=letterbox_align, pad_value=pad_value, pixel_range=pixel_range)
 
 
-NOTHING_TO_JUDGE = ("--max-drop: these outputs have no class scores and no boxes to judge agreement by "
-                    "(compile --int8 with --decoder for a detector); drop --max-drop and check with "
-                    "tandoor verify --images --min-sqnr")
+class Shown:
+    """The compiler's events (compiler/api.py ``on_event``) on a rich console: a spinner naming the
+    stage, a bar while calibrating, the layer report once quantized, what the judge said."""
 
+    def __init__(self, console):
+        self.console = console
+        self.status = None
+        self.bar = None
+        self.task = None
 
-def judge(res: dict, max_drop: float, console, *, what: str = "INT8",
-          fix: str = "Try --method percentile, more calibration images, or --keep-fp32 on the layers the report "
-                     "names") -> None:
-    """Print what the held-out images said; a CompileError (exit 2) past the budget."""
-    from .agreement import describe
+    def __enter__(self):
+        return self
 
-    said = [describe(res)] if res.get("confident_images") is not None else []
-    if res.get("box_agreement") is not None:
-        said.append(f"box agreement {res['box_agreement']:.1%} ({res['boxes_matched']}/{res['boxes_fp32']} boxes)")
-    if not said:
-        raise CompileError(NOTHING_TO_JUDGE)
-    console.log(f"on {res['images']} held-out image(s): " + ", ".join(said)
-                + ", SQNR " + ", ".join(f"{k} {v:.1f} dB" for k, v in res["sqnr_db"].items()))
-    if res["notes"] and res.get("box_agreement") is None:
-        raise CompileError(f"--max-drop cannot be judged on --validation's {res['images']} image(s): "
-                           f"{res['notes'][0]}; nothing written (or drop --max-drop and read tandoor verify --images)")
-    if not res["ok"]:
-        raise CompileError(f"{what} is past --max-drop {max_drop:.1%} on {res['images']} held-out image(s): "
-                           f"{'; '.join(res['failures'])}; nothing written. {fix}")
+    def __exit__(self, *exc):
+        self._stop()
 
+    def _stop(self):
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
 
-def preprocess_entry(inputs, *, mean, std, layout, bgr, resize, letterbox_align, pad_value, pixel_range) -> dict | None:
-    """The manifest's ``preprocess`` that `tandoor compile` would record for these flags."""
-    from tandoor_compiler import pipeline
+    def __call__(self, name: str, data: dict) -> None:
+        if name == "stage":
+            if self.bar is not None:
+                self._stop()
+            if self.status is None:
+                self.status = self.console.status(data["message"])
+                self.status.start()
+            else:
+                self.status.update(data["message"])
+            self.console.log(data["message"])
+        elif name == "calibrating":
+            if self.bar is None:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .cli_base import floats as _floats
-
-    opts = pipeline.Options(mean=_floats(mean, "--mean"), std=_floats(std, "--std"), layout=layout, bgr=bgr,
-                            resize=resize, letterbox_align=letterbox_align, pad_value=pad_value,
-                            pixel_range=pixel_range)
-    return pipeline._preprocess(opts, list(inputs[0].shape), inputs[0].dtype)
+                self._stop()
+                self.bar = Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(),
+                                    TimeRemainingColumn(), console=self.console, transient=True)
+                self.bar.start()
+                self.task = self.bar.add_task("calibrating", total=data["total"])
+            self.bar.update(self.task, completed=data["done"])
+        elif name == "say":
+            self.console.log(data["message"])
+        elif name == "quantized":
+            self._stop()
+            print_report(data["report"], self.console)
 
 
 @click.command()
@@ -157,40 +158,24 @@ def quantize(model, out, calibration, count, method, per_channel, targets, activ
     with the same --mean/--std/--resize flags."""
     from rich.console import Console
 
+    from tandoor_compiler import api
+
     console = Console(stderr=True, quiet=quiet, log_path=False)
     flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
                  pad_value=pad_value, pixel_range=pixel_range)
     if report_path is not None and not report_path.parent.is_dir():
         raise CompileError(f"--report {report_path}: directory {report_path.parent} does not exist")
-    check_budget(validation, max_drop, model=model, inputs=inputs)
-    staged = Path(out).with_name(f".{Path(out).stem}.unjudged.onnx") if max_drop is not None else Path(out)
-    try:
-        res, src = quantize_with_calibration(model, staged, calibration, count, method=method, per_channel=per_channel,
-                                             activations=activations, targets=targets, inputs=inputs,
-                                             keep_fp32=keep_fp32, lead=not all_int8, flags=flags,
-                                             report_samples=report_samples, console=console)
-        if max_drop is not None:
-            from tandoor_compiler import frontend
-
-            from .accuracy import compare_models
-
-            q = frontend.load(staged, list(inputs))
-            spec = {**q.inputs[0].as_dict(), "layout": layout or media.guess_layout(q.inputs[0].shape)}
-            like = {"inputs": [spec], "outputs": [o.as_dict() for o in q.outputs], "preprocess": res["preprocess"],
-                    "postprocess": None}
-            with console.status(f"judging the INT8 model on {validation}"):
-                judged = compare_models(staged, model, validation, like, max_drop=max_drop)
-            judge(judged, max_drop, console)
-            os.replace(staged, out)
-    finally:
-        if staged != Path(out):
-            staged.unlink(missing_ok=True)
+    with Shown(console) as shown:
+        res = api.quantize(model, out, calibration=calibration, images=count, method=method, per_channel=per_channel,
+                           activations=activations, keep_fp32=keep_fp32, all_int8=all_int8,
+                           report_samples=report_samples, validation=validation, max_drop=max_drop, on_event=shown,
+                           inputs=list(inputs), targets=list(targets), **preprocess_kwargs(**flags))
     if report_path is not None:
         durable.atomic_write(report_path, (json.dumps(res["report"], indent=2) + "\n").encode())
     q = res["quantized"]
     console.print(f"[green]wrote[/] {out}: {q.get('QuantizeLinear', 0)} QuantizeLinear / "
                   f"{q.get('DequantizeLinear', 0)} DequantizeLinear, calibrated on {res['samples']} image(s) from "
-                  f"{src.describe()} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
+                  f"{res['source']} ({method}, {'per-channel' if per_channel else 'per-tensor'} weights, "
                   f"{res['activations']} activations), {res['bytes'] / 1e6:.1f} MB (fp32 {res['source_bytes'] / 1e6:.1f} MB)")
     console.print(f"activations {res['activations']}: {res['activations_why']}")
     print_lead(res, console)
@@ -241,55 +226,6 @@ def print_report(report: dict, console, *, worst: int = 5) -> None:
                    "on other images with tandoor verify BUNDLE --reference FP32.onnx --images DIR")
 
 
-def quantize_with_calibration(model, out, calibration, count, *, method: str = "minmax", per_channel: bool = True,
-                              activations: str | None = None, targets=(), inputs=(), keep_fp32=(),
-                              lead: bool = True, report_samples: int = 4,
-                              flags: dict, console):
-    """MODEL -> the QDQ model OUT, calibrated on COUNT images of CALIBRATION preprocessed by
-    ``flags`` (compile's preprocessing options), with a progress bar on ``console``: what
-    `tandoor quantize` and `tandoor compile --int8` both run. Returns (quantize_model's summary,
-    the calibration source)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-    from tandoor_compiler.quantize import quantize_model
-
-    from . import calibration as calib
-
-    src = calib.open_source(calibration)
-    n = count if count is not None else (DEFAULT_VIDEO_FRAMES if src.is_video else src.size)
-    if n > src.size:
-        raise CompileError(f"--images {n}: {src.describe()} has only {src.size}; give --images {src.size} or "
-                           "more images")
-    chosen: dict = {"calibration": src.describe()}     # recorded in the model; preprocess once it is known
-
-    def samples(model_inputs):
-        if len(model_inputs) != 1:
-            raise CompileError(f"the model has {len(model_inputs)} inputs; calibration from images feeds "
-                               "one image input")
-        chosen["preprocess"] = preprocess_entry(model_inputs, **flags)
-        spec = {**model_inputs[0].as_dict(), "layout": flags.get("layout") or media.guess_layout(model_inputs[0].shape)}
-        return ([x] for x in calib.tensors(src, calib.pick(src.size, n), spec, chosen["preprocess"]))
-
-    with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("calibrating", total=n)
-        res = quantize_model(model, out, calibration=samples, count=n, inputs=inputs, method=method,
-                             per_channel=per_channel, activations=activations, targets=targets, keep_fp32=keep_fp32,
-                             lead=lead, report_samples=report_samples,
-                             metadata=chosen,
-                             progress=lambda done, total: bar.update(task, completed=done),
-                             say=lambda m: console.log(m))
-    print_report(res["report"], console)
-    res["preprocess"] = chosen.get("preprocess")
-    return res, src
-
-
-DEFAULT_VIDEO_FRAMES = 300
 EXACT_DB = 120.0    # float32 itself resolves ~140 dB: above this the output is fp32's
 DEFAULTS = {o.name: o.default for o in (opt(lambda: None).__click_params__[0] for opt in PREPROCESS_OPTIONS)}
 
@@ -297,7 +233,7 @@ DEFAULTS = {o.name: o.default for o in (opt(lambda: None).__click_params__[0] fo
 # --- `tandoor verify --images`: the INT8 bundle against the fp32 model on real images -------------
 
 def accuracy_options(f):
-    from .accuracy import DEFAULT_MAX_DROP
+    from tandoor_compiler.int8.accuracy import DEFAULT_MAX_DROP
 
     f = click.option("--min-sqnr", type=float, default=None, metavar="DB",
                      help="With --images: fail when an output's SQNR against the fp32 model is below DB.")(f)
@@ -313,12 +249,12 @@ def accuracy_options(f):
 
 
 def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, min_sqnr, as_json) -> None:
-    """Print the report of host/accuracy.py and exit 0 when ok, 1 when not."""
+    """Print the report of compiler/int8/accuracy.py and exit 0 when ok, 1 when not."""
     import json
 
     from rich.console import Console
 
-    from .accuracy import compare_on_images
+    from tandoor_compiler.int8.accuracy import compare_on_images
 
     console = Console(stderr=True, log_path=False)
     with console.status(f"running {Path(bundle).name} and {Path(reference).name} on the images"):
@@ -327,7 +263,7 @@ def verify_on_images(bundle, reference, images, *, delegate, count, max_drop, mi
     if as_json:
         click.echo(json.dumps(res, indent=2))
     else:
-        from .agreement import describe
+        from tandoor_compiler.int8.agreement import describe
 
         for o in res["outputs"]:
             agree = f", {describe(o)}" if "confident_images" in o else ""

@@ -91,7 +91,7 @@ def verify(bundle_path: str | Path, reference: str | Path, delegate: str | None 
            random_inputs: int = 3, trusted_keys=()) -> dict:
     """Run the bundle with each of ``delegate`` (default: the self-check's, agreement.CHECK_DELEGATES)
     on its golden inputs and ``random_inputs`` random ones; the verdict per case and delegate."""
-    from tandoor_compiler import check_facts, frontend
+    from tandoor_compiler.stages import check_facts, frontend
 
     ref_path = Path(reference)
     with hmod.open_bundle(bundle_path, trusted_keys=trusted_keys) as bundle:

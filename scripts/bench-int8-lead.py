@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does int8 pay for a model's first convolutions on this host's onnxruntime? The measurements
-behind compiler/quantize.py's FP32_LEAD_BY_ARCH (docs/int8.md, "The fp32 lead").
+behind compiler/int8/quantize.py's FP32_LEAD_BY_ARCH (docs/int8.md, "The fp32 lead").
 
 Each row is one convolution of the shapes a model starts with, timed two ways that both end in a
 quantized tensor, as the layer after it wants:

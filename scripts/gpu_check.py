@@ -85,7 +85,7 @@ def _reference(model: Path, manifest: dict):
     to the bundle's shapes: a placeholder input shape in the file would refuse the real one)."""
     import onnxruntime as ort
 
-    from tandoor_compiler import frontend
+    from tandoor_compiler.stages import frontend
 
     pins = [f"{i['name']}=" + "x".join(str(d) for d in i["shape"]) for i in manifest["inputs"]]
     proto = frontend.load(model, pins).proto

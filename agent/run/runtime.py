@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandoor_contract import agreement, gpu as gpu_contract, hmod, orders, tail as tail_mod
+from tandoor_contract import agreement, backends, gpu as gpu_contract, hmod, orders, tail as tail_mod
 from tandoor_contract.errors import TandoorError
 
 from . import executors, gpu as gpu_mod
@@ -133,7 +133,8 @@ def _auto_preference(armnn_backends: tuple[str, ...]) -> list[str]:
 class HybridModule:
     """A verified bundle made runnable: one executor per delegated order, then the VM.
 
-    ``delegate`` is ``auto`` (armnn > onnxruntime > tvm, the first that can build each order)
+    ``delegate`` is ``auto`` (executors.auto_order: rknn for rknn orders, then armnn where it has ACL, else
+    onnxruntime > armnn > tvm; the first that can build each order)
     or one executor name, which is tried first for every order; an order it cannot build falls
     back to the others in the auto order, logged once with the reason and reported in
     ``describe()[i]["fallback_reason"]``.
@@ -199,32 +200,32 @@ class HybridModule:
                 reasons = []
                 hint = part.get("executor") if delegate == "auto" and profiled_here else None
                 order_pref = [hint] + [e for e in preference if e != hint] if hint in EXECUTORS else preference
-                for kind in order_pref:
-                    if kind != delegate and orders.refuses(kind, order):
+                for executor in order_pref:
+                    if executor != delegate and orders.refuses(executor, order):
                         continue    # not one of this order kind's runners, nor asked for: no reason to say
                     try:
-                        ex = _build_executor(kind, bundle, symbol, order, self.target, workdir, armnn_backends,
+                        ex = _build_executor(executor, bundle, symbol, order, self.target, workdir, armnn_backends,
                                              tuple(npu_cores))
                     except hmod.BundleError:
                         raise  # the bundle itself is bad: not a reason to try another executor
                     except Exception as err:  # this executor cannot build it -> the next one
-                        reasons.append(f"{kind}: {_first_line(err)}")
+                        reasons.append(f"{executor}: {_first_line(err)}")
                         continue
-                    sg = Subgraph(symbol, kind, str(getattr(ex, "backend", "?")), "; ".join(reasons) or None,
+                    sg = Subgraph(symbol, executor, str(getattr(ex, "backend", "?")), "; ".join(reasons) or None,
                                   getattr(ex, "layer_counts", None))
                     sg.layers_elsewhere = [f"{n} ({t}) on {b}" for n, t, b in getattr(ex, "layer_backends", ())
                                            if t not in ("Input", "Output") and b != sg.backend] or None
-                    if orders.kind_of(order) == "rknn" and kind != "rknn":
+                    if orders.kind_of(order) == backends.RKNN and executor != "rknn":
                         sg.npu_unavailable = next((r.removeprefix("rknn: ") for r in reasons
                                                    if r.startswith("rknn: ")), f"not tried: delegate {delegate}")
                         if not self.npu_unavailable:
                             log.warning("npu: unavailable (%s); its orders run their ONNX rendering on %s",
-                                        sg.npu_unavailable, kind)
+                                        sg.npu_unavailable, executor)
                         self.npu_unavailable = self.npu_unavailable or sg.npu_unavailable
                     if reasons:
-                        log.warning("%s runs on %s (fallback: %s)", symbol, kind, sg.fallback_reason)
+                        log.warning("%s runs on %s (fallback: %s)", symbol, executor, sg.fallback_reason)
                     else:
-                        log.info("%s runs on %s (%s)", symbol, kind, sg.backend)
+                        log.info("%s runs on %s (%s)", symbol, executor, sg.backend)
                     self.subgraphs.append(sg)
                     self._executors[symbol] = ex
                     tvm_ffi.register_global_func(symbol, self._make_delegate(ex, sg, len(order["inputs"]),

@@ -221,7 +221,7 @@ KEYS: tuple[Key, ...] = (
     Key("trusted_keys", [], path_list("file"),
         "Ed25519 public keys (.pub.pem); when non-empty, only bundles signed by one of them run."),
     Key("delegate", "auto", choice(*DELEGATES),
-        "Executor tried first for delegated subgraphs (auto: armnn > onnxruntime > tvm)."),
+        "Executor tried first for delegated subgraphs (auto: rknn for rknn orders, then armnn where Arm NN has ACL (CpuAcc/GpuAcc), else onnxruntime > armnn > tvm)."),
     Key("armnn_backends", ["CpuAcc", "GpuAcc", "CpuRef"], str_list(("CpuAcc", "GpuAcc", "CpuRef")),
         "Arm NN backend preference, first that can run a subgraph wins."),
     Key("npu_cores", [0, 1, 2], int_list((0, 1, 2)),

@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import click
 
-from tandoor_compiler.errors import CompileError
-from tandoor_contract import media
+from tandoor_contract import backends, media
 
 from ..inputs import InputFile
-from ..quantize import (
-    budget_options,
-    check_budget,
-    judge,
-    keep_fp32_option,
-    lead_option,
-    print_lead,
-)
+from ..quantize import Shown, budget_options, keep_fp32_option, lead_option, preprocess_kwargs, print_lead
 
 from .. import cli_base
-from ..cli_base import debug_option, decoder_options, floats
+from ..cli_base import debug_option, decoder_options
 
 
 @click.command()
@@ -48,7 +37,7 @@ from ..cli_base import debug_option, decoder_options, floats
               help="Input image layout. Default: from the input's shape (a last axis of 1 or 3 channels is NHWC).")
 @click.option("--bgr", is_flag=True, help="The model expects BGR channel order.")
 @click.option("--policy", type=click.Choice(["cost", "all", "none"]), default="cost", show_default=True,
-              help="cost: delegate a subgraph only when its gain beats its boundary cost (compiler/cost.py); "
+              help="cost: delegate a subgraph only when its gain beats its boundary cost (compiler/stages/cost.py); "
                    "all: every supported op; none: nothing (TVM only, for benchmarks).")
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
               help="A profile from 'tandoor profile': measured times over estimates, executor chosen per subgraph. "
@@ -110,75 +99,31 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
     """Compile MODEL.onnx into a hybrid module bundle."""
     from rich.console import Console
 
-    from tandoor_compiler.pipeline import Options, compile_model
+    from tandoor_compiler import compile_model
 
-    from ..quantize import quantize_with_calibration
-
-    npu_samples = None
-    if npu:
-        if int8:
-            raise CompileError("--npu quantizes for the NPU itself: drop --int8 (--npu-dtype int8 is the default)")
-        if calibration is not None:
-            npu_samples = _npu_samples(model, inputs, calibration, calib_count, dict(
-                mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
-                pad_value=pad_value, pixel_range=pixel_range))
-        calibration = calib_count = None
-    if int8 != (calibration is not None) or ((calib_count is not None or keep_fp32 or all_int8) and not int8) \
-            or (max_drop is not None and not (int8 or npu)):
-        raise CompileError("--int8 and --calibration go together (--images, --keep-fp32, --all-int8 and --max-drop "
-                           "with them, or --max-drop with --npu): give both to quantize on your images first, or "
-                           "neither")
-    check_budget(validation, max_drop, model=model, inputs=inputs, decoder=decoder)
-
-    opts = Options(list(inputs), list(targets), key, labels, floats(mean, "--mean"), floats(std, "--std"),
-                   layout, bgr, policy, name, version, profile, check=not no_check, measure=measure, build=build,
-                   resize=resize, letterbox_align=letterbox_align, pad_value=pad_value, pixel_range=pixel_range,
-                   decoder=decoder,
-                   decoder_options={**decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det},
-                   cache=not no_cache, npu=npu, npu_dtype=npu_dtype, npu_samples=npu_samples,
-                   npu_judged=npu and max_drop is not None, gpu_tuning=gpu_tuning)
     console = Console(stderr=True, quiet=quiet, log_path=False)
     times: dict[str, float] = {}
-    source = model     # the fp32 model: what --max-drop judges the INT8 bundle against
-    with tempfile.TemporaryDirectory(prefix="tandoor-int8-") as tmp:
-        if int8:
-            q = Path(tmp) / f"{Path(model).stem}.int8.onnx"
-            flags = dict(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize, letterbox_align=letterbox_align,
-                         pad_value=pad_value, pixel_range=pixel_range)
-            res, src = quantize_with_calibration(model, q, calibration, calib_count, inputs=inputs, flags=flags,
-                                                 targets=targets, keep_fp32=keep_fp32, lead=not all_int8,
-                                                 console=console)
-            console.log(f"quantized on {res['samples']} image(s) from {src.describe()}, {res['activations']} "
-                        f"activations {res['activations_why']}")
-            print_lead(res, console)
-            opts = dataclasses.replace(opts, name=opts.name or Path(model).stem)
-            model = q
-        with console.status("compiling") as status:
-            def progress(msg: str) -> None:
-                status.update(msg)
-                console.log(msg)
-            # judged before it replaces anything: past the budget, nothing is written
-            staged = Path(out).with_name(f".{Path(out).stem}.unjudged{Path(out).suffix}") if max_drop is not None else Path(out)
-            try:
-                p = compile_model(model, staged, opts, progress=progress, timings=times)
-                if max_drop is not None:
-                    from ..accuracy import compare_on_images, simulated_npu
+    with Shown(console) as shown:
+        def on_event(name: str, data: dict) -> None:
+            shown(name, data)
+            if name == "quantized":
+                console.log(f"quantized on {data['samples']} image(s) from {data['source']}, {data['activations']} "
+                            f"activations {data['activations_why']}")
+                print_lead(data, console)
 
-                    if npu:     # the rknn orders as the NPU runs them: in the toolkit's simulator
-                        status.update(f"judging the bundle on {validation} with its NPU part in the RKNN simulator")
-                        with simulated_npu(source, inputs, npu_samples):
-                            res = compare_on_images(staged, source, validation, max_drop=max_drop, delegate="auto")
-                        judge(res, max_drop, console, what=f"the NPU's {npu_dtype}",
-                              fix=_npu_fix(p["npu"]))
-                    else:
-                        status.update(f"judging the INT8 bundle on {validation}")
-                        judge(compare_on_images(staged, source, validation, max_drop=max_drop), max_drop, console)
-                    os.replace(staged, out)
-            finally:
-                if staged != Path(out):
-                    staged.unlink(missing_ok=True)
-    kept = [x for x in p["partitions"] if x["delegate"] and x.get("kind") not in ("onnx", "rknn")]
-    ort_ops = Counter(o.removeprefix("onnx.") for x in p["partitions"] if x.get("kind") == "onnx" for o in x["ops"])
+        done = compile_model(
+            model, out, int8=int8, calibration=calibration, images=calib_count, keep_fp32=keep_fp32,
+            all_int8=all_int8, validation=validation, max_drop=max_drop, npu=npu, npu_dtype=npu_dtype,
+            on_event=on_event, timings=times,
+            inputs=list(inputs), targets=list(targets), key=key, labels=labels, policy=policy, name=name,
+            version=version, profile=profile, check=not no_check, measure=measure, build=build, decoder=decoder,
+            decoder_options={**decoder_options(decoder_opts), "conf": conf, "iou": iou, "max_det": max_det},
+            cache=not no_cache, gpu_tuning=gpu_tuning,
+            **preprocess_kwargs(mean=mean, std=std, layout=layout, bgr=bgr, resize=resize,
+                                letterbox_align=letterbox_align, pad_value=pad_value, pixel_range=pixel_range))
+    p = done.manifest
+    kept = [x for x in p["partitions"] if x["delegate"] and (x.get("kind") or backends.LAYERS) == backends.LAYERS]
+    ort_ops = Counter(o.removeprefix("onnx.") for x in p["partitions"] if x.get("kind") == backends.ONNX for o in x["ops"])
     share = p.get("flops_delegated", 0) / p["flops_total"] if p.get("flops_total") else 0.0
     for note in p.get("notes") or ():
         console.print(f"[yellow]note[/] {note}")
@@ -199,42 +144,11 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
         + f"{p['layout_transposes']} layout transpose(s), targets "
         f"{', '.join(sorted(p['targets'], key=lambda t: t != 'host'))}, "
         f"predicted speedup {p['predicted_speedup']:.2f}x" + (", signed" if key else "")
-        + f", decided from {_decided_from(p)}" + ("" if opts.check else ", NOT self-checked (--no-check)")
+        + f", decided from {_decided_from(p)}" + ("" if not no_check else ", NOT self-checked (--no-check)")
         + (f", from the compile cache (first compiled {p['cache']['compiled']})" if (p.get("cache") or {}).get("hit")
            else ""))
     if timings or cli_base.DEBUG:
         _print_timings(times)
-
-
-NPU_FRAMES = 50      # frames of a video for --npu, every fifth held out for the check (a directory: all its images)
-
-
-def _npu_fix(npu: dict) -> str:
-    """What to try when the NPU's answers are past --max-drop: the layers the simulator's per-layer
-    report says hurt most (compiler/backends/rknn/worker.py), then the usual ways out."""
-    worst = sorted((r for o in npu.get("orders") or () for r in o.get("worst_layers") or ()),
-                   key=lambda r: r["cosine"])[:5]
-    hurt = ("Layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})" for r in worst)
-            + ". ") if worst else ""
-    return hurt + "Try --npu-dtype fp16, more --calibration frames, or compile without --npu"
-
-
-def _npu_samples(model, inputs, calibration, count, flags: dict) -> list[list]:
-    """The model inputs --npu calibrates (and checks) on: --calibration's images or video frames,
-    preprocessed as the device will (tandoor quantize's reader, host/calibration.py)."""
-    from tandoor_compiler import frontend
-
-    from .. import calibration as calib
-    from ..quantize import preprocess_entry
-
-    loaded = frontend.load(model, list(inputs))
-    if len(loaded.inputs) != 1:
-        raise CompileError(f"the model has {len(loaded.inputs)} inputs; calibration from images feeds one image input")
-    src = calib.open_source(calibration)
-    n = count if count is not None else (min(NPU_FRAMES, src.size) if src.is_video else src.size)
-    pre = preprocess_entry(loaded.inputs, **flags)
-    spec = {**loaded.inputs[0].as_dict(), "layout": flags.get("layout") or media.guess_layout(loaded.inputs[0].shape)}
-    return [[x] for x in calib.tensors(src, calib.pick(src.size, n), spec, pre)]
 
 
 def _print_timings(times: dict[str, float]) -> None:
@@ -247,7 +161,8 @@ def _print_timings(times: dict[str, float]) -> None:
 
 
 def _decided_from(manifest: dict) -> str:
-    sources = {(x.get("est") or {}).get("source", "estimate") for x in manifest["partitions"] if x.get("kind") != "onnx"}
+    sources = {(x.get("est") or {}).get("source", "estimate") for x in manifest["partitions"]
+               if x.get("kind") != backends.ONNX}
     if not sources:
         return "nothing (no candidate subgraph)"
     return " and ".join(sorted("estimates" if s.startswith("estimate") else s for s in sources))

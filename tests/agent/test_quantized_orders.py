@@ -371,7 +371,7 @@ def build_add(dtype: str, act: str | None) -> Built:
 def test_a_quantized_add_on_armnn_agrees_with_onnxruntime(dtype, act):
     """Arm NN's addition takes each input's quantization as it is (no requantizing copies), and the
     compiler's ONNX rendering of the order (what onnxruntime runs on the board) gives the same."""
-    from tandoor_compiler.order_onnx import order_to_onnx
+    from tandoor_compiler.backends.acl.order_onnx import order_to_onnx
 
     b = build_add(dtype, act)
     lo, hi = QRANGE[dtype]

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from support.cli import ROOT, compiled, manifest_of, run_cli
-from tandoor_compiler import acl
+from tandoor_compiler.backends import acl
 from tandoor_agent.run.executors import armnn_tflite
 from tandoor_contract import hmod, orders
 from tandoor_zoo import models as zoo

@@ -1,4 +1,4 @@
-"""The facts the bundle's check is judged by (compiler/check_facts.py, tandoor_contract.agreement),
+"""The facts the bundle's check is judged by (compiler/stages/check_facts.py, tandoor_contract.agreement),
 on tiny generated models run in onnxruntime, against a second implementation written here in numpy
 that orders ties the other way: tied TopK rows and ArgMax choices are free, everything else is still
 compared (a wrong row or value is refused, naming the output and the path); the promised tolerance
@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 from support import check_traits
-from tandoor_compiler import check_facts
+from tandoor_compiler.stages import check_facts
 from tandoor_contract import agreement, probe
 
 
@@ -199,7 +199,7 @@ def test_requant_flips_moves_one_activation_code_in_twenty_by_a_step_and_leaves_
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from tandoor_compiler.check_facts import FLIP_RATE, requant_flips
+    from tandoor_compiler.stages.check_facts import FLIP_RATE, requant_flips
 
     inits = [numpy_helper.from_array(np.float32(0.1), "s"), numpy_helper.from_array(np.int8(0), "z"),
              numpy_helper.from_array(np.linspace(-3, 3, 64).astype(np.float32).reshape(1, 64), "w")]

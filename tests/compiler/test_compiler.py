@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from support.cli import compiled, manifest_of, run_cli
-from tandoor_compiler import frontend, importer, partition, passes
+from tandoor_compiler.stages import frontend, importer, partition, passes
 from tandoor_contract import hmod
 from tandoor_zoo import models as zoo
 
@@ -183,7 +183,7 @@ def test_missing_file(tmp_path):
 
 
 def test_op_neither_tvm_nor_acl_nor_onnxruntime_can_take(tmp_path):
-    """A custom-domain op goes to the escape hatch (compiler/hatch.py), and onnxruntime has no
+    """A custom-domain op goes to the escape hatch (compiler/backends/onnx/hatch.py), and onnxruntime has no
     kernel for it either: refused in one line naming the op and all three."""
     msg = _bad(tmp_path, zoo.unsupported_op())
     assert "com.example::Frobnicate" in msg and "neither TVM nor ACL, nor by onnxruntime" in msg

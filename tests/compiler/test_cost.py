@@ -1,4 +1,4 @@
-"""The cost policy (compiler/cost.py) on real models through the real pipeline: which subgraphs are
+"""The cost policy (compiler/stages/cost.py) on real models through the real pipeline: which subgraphs are
 kept, and that every decision carries its numbers. The estimate tests compile with measure="off"
 (estimates are deterministic); one test decides from times measured on this machine."""
 
@@ -13,7 +13,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from tandoor_compiler import cost, frontend, importer, partition, passes  # noqa: E402
+from tandoor_compiler.stages import cost, frontend, importer, partition, passes  # noqa: E402
 from tandoor_zoo import models as zoo
 from tandoor_compiler.pipeline import Options, compile_model  # noqa: E402
 

@@ -15,7 +15,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tandoor_compiler import check_facts, frontend, hatch, importer, quantize
+from tandoor_compiler.stages import check_facts, frontend, importer
+from tandoor_compiler.backends.onnx import hatch
+from tandoor_compiler.int8 import quantize
 
 DEPTH = 10_000
 SCALE = 0.02

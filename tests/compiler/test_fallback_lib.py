@@ -15,7 +15,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tandoor_compiler import codegen, pipeline
+from tandoor_compiler.stages import codegen
+from tandoor_compiler import pipeline
 from tandoor_contract import hmod, probe
 
 

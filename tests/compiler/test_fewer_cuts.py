@@ -1,5 +1,5 @@
 """Ops exporters write out as chains (GELU, TF-style LayerNorm, rank-5 channel shuffles) fold into
-one op each (compiler/written_out.py) and no longer cut the delegated region; the bundle reports
+one op each (compiler/stages/written_out.py) and no longer cut the delegated region; the bundle reports
 its ACL/TVM boundaries. Each trait is a tiny generated model through the real `tandoor compile`
 (with its golden self-test) and `tandoor verify` against onnxruntime, with every executor.
 """
@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from support.cli import manifest_of, run_cli
-from tandoor_compiler import written_out
+from tandoor_compiler.stages import written_out
 
 RNG = np.random.default_rng(20261204)
 N = helper.make_node

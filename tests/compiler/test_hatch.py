@@ -1,4 +1,4 @@
-"""The escape hatch (compiler/hatch.py): ONNX nodes that neither ACL nor the device's TVM runtime can
+"""The escape hatch (compiler/backends/onnx/hatch.py): ONNX nodes that neither ACL nor the device's TVM runtime can
 run become onnxruntime orders, and no bundle calls a function the runtime-only TVM lacks.
 
 Tiny generated models (onnx.helper) for each trait: an LSTM (no TVM converter), a Loop whose
@@ -181,7 +181,7 @@ def _registry(which: str) -> set[str]:
 
 
 def test_the_runtime_only_library_lacks_what_the_table_routes_away_and_has_what_the_compiler_assumes():
-    from tandoor_compiler import hatch
+    from tandoor_compiler.backends.onnx import hatch
 
     runtime, full = _registry("runtime"), _registry("full")
     for lack in hatch.RUNTIME_LACKS.values():
@@ -209,14 +209,15 @@ def _lacking_op_model(op: str) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-@pytest.mark.parametrize("op", sorted(__import__("tandoor_compiler.hatch", fromlist=["x"]).RUNTIME_LACKS))
+@pytest.mark.parametrize("op", sorted(__import__("tandoor_compiler.backends.onnx.hatch", fromlist=["x"]).RUNTIME_LACKS))
 def test_tvm_lowers_each_routed_op_to_the_function_the_table_names_and_the_backstop_refuses_it(op):
     """Without the hatch, TVM's build pipeline makes each RUNTIME_LACKS op call its function: the
     table is what the wheel does, and check_runtime (run after every build) refuses it by op name."""
     import tvm
     from tvm.relax.frontend.onnx import from_onnx
 
-    from tandoor_compiler import hatch, schedule
+    from tandoor_compiler.backends.onnx import hatch
+    from tandoor_compiler.stages import schedule
     from tandoor_compiler.errors import CompileError
 
     mod = from_onnx(_lacking_op_model(op), keep_params_in_input=False)
@@ -233,7 +234,7 @@ def test_tvm_lowers_each_routed_op_to_the_function_the_table_names_and_the_backs
 def test_connected_nodes_share_one_order_unless_that_would_make_a_cycle():
     """LSTM -> LSTM is one order; LSTM -> (Relu in TVM) -> LSTM, with the first also feeding the
     second directly, cannot be one order (it would wait for TVM, which waits for it): two."""
-    from tandoor_compiler import hatch
+    from tandoor_compiler.backends.onnx import hatch
 
     h = 4
 
@@ -306,7 +307,7 @@ def test_a_loop_counted_by_a_static_shape_is_not_a_tail():
     """A tf2onnx map over the batch: count INT64_MAX, going on while i < Shape(x)[0]. With the
     input's shape pinned the Shape is a constant, so the trip count is too and the Loop stays an
     ordinary onnxruntime order; the same loop counting x's positive values is the tail."""
-    from tandoor_compiler import hatch
+    from tandoor_compiler.backends.onnx import hatch
 
     i64, b = TensorProto.INT64, TensorProto.BOOL
 

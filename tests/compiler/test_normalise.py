@@ -1,4 +1,4 @@
-"""The normaliser (compiler/normalise.py): every step, on a tiny generated model that makes it act,
+"""The normaliser (compiler/stages/normalise.py): every step, on a tiny generated model that makes it act,
 leaves a model valid for the model's own opset (onnx's full check) that onnxruntime runs to the
 same numbers as the original; a step that breaks a file onnxruntime runs is blamed by name; and
 the traits it exists for (unsorted graphs, fp16 islands, opset-11 Resize with sizes) compile and
@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from support.cli import manifest_of, run_cli
-from tandoor_compiler import normalise
+from tandoor_compiler.stages import normalise
 from tandoor_compiler.errors import CompileError
 
 N = helper.make_node

@@ -21,7 +21,7 @@ def _old_forms(opset: int):
     """Behind a Conv (so that a region has something to take): Pad-2, Clip-6, ReduceMean and
     ReduceSum axes, Split-2, Squeeze-1/Unsqueeze-1, which TVM's importer reads as they are; at
     opset 7 also Slice-1 and Upsample-7 (scales an attribute), which it does not, so the model is
-    upgraded to 13 (compiler/normalise.py ATTRIBUTE_FORMS)."""
+    upgraded to 13 (compiler/stages/normalise.py ATTRIBUTE_FORMS)."""
     old = opset < 10
     sl = ([N("Slice", ["h"], ["s"], starts=[1, 2], ends=[7, 1000], axes=[2, 3])] if old else
           [N("Slice", ["h", "st", "en", "ax"], ["s"])])

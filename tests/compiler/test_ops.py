@@ -1,4 +1,4 @@
-"""Op level: every op/composite of the ACL table (compiler/acl.py) as a tiny ONNX model, compiled
+"""Op level: every op/composite of the ACL table (compiler/backends/acl/) as a tiny ONNX model, compiled
 by the real pipeline (host only, policy "all" so that tiny graphs are delegated), then run
 through each executor (armnn on this machine's backend, onnxruntime, tvm) by HybridModule and
 compared with onnxruntime on the original model (fp32, atol 1e-3, rtol 1e-3). Each case also

@@ -1,4 +1,4 @@
-"""Orders rendered as ONNX (compiler/order_onnx.py), run in onnxruntime, against numpy references.
+"""Orders rendered as ONNX (compiler/backends/acl/order_onnx.py), run in onnxruntime, against numpy references.
 
 The references are written from the order format's semantics (TVM's relax ops, NHWC/OHWI), not
 from ONNX: convolution as a sum of shifted einsums, pooling and resizing as explicit loops.
@@ -13,8 +13,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from tandoor_compiler.codegen import WeightPacker
-from tandoor_compiler.order_onnx import OPSET, order_to_onnx
+from tandoor_compiler.stages.codegen import WeightPacker
+from tandoor_compiler.backends.acl.order_onnx import OPSET, order_to_onnx
 from tandoor_contract import orders
 
 ATOL = RTOL = 1e-4

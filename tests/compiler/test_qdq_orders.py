@@ -12,7 +12,7 @@ import pytest
 
 from support.cli import manifest_of, run_cli
 from support.qdq import quantized_small_cnn
-from tandoor_compiler import acl
+from tandoor_compiler.backends import acl
 from tandoor_agent.run.executors import armnn_tflite
 from tandoor_contract import hmod, orders, probe
 

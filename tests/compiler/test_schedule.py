@@ -1,4 +1,4 @@
-"""The TVM side's schedule rules (compiler/schedule.py) never change a number: tiny models of the
+"""The TVM side's schedule rules (compiler/stages/schedule.py) never change a number: tiny models of the
 patterns real mobile models have, and real pretrained models, compiled TVM-only (every op in TVM,
 as `--policy none`) and compared with onnxruntime on the source model; each pattern's kernels
 must really be taken by the rule meant for them (a rule that fails is "not applicable", so a
@@ -17,8 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 from support.cli import run_cli
-from tandoor_compiler import frontend, schedule
-from tandoor_compiler.passes import legalise_for_tvm
+from tandoor_compiler.stages import frontend, schedule
+from tandoor_compiler.stages.passes import legalise_for_tvm
 from tandoor_host.kernels import relax_module as _relax_module
 from tandoor_host.kernels import tvm_pattern
 from tandoor_zoo import wild

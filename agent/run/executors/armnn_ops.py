@@ -1,5 +1,5 @@
 """Arm NN's per-op builders: one function per order op type, found in ``BUILDERS`` (as
-compiler/order_onnx.py's are), each ``builder(ex, where, name, input slots, input shapes, output
+compiler/backends/acl/order_onnx.py's are), each ``builder(ex, where, name, input slots, input shapes, output
 shape, attrs, weights[, q])`` adding the op's layers to the executor ``ex``'s network and returning
 its output slot. The executor (armnn.py) owns the network, the tensor table and the shared layer
 helpers these call."""

@@ -5,7 +5,7 @@ matches (fused composites, most specific first), a check per pattern that return
 take the match or a one-line reason when it cannot, the order op type it becomes (the contract's
 vocabulary, ``tandoor_contract.orders.OPS``) and the function that writes that order op. Next to
 it, ``RELAX_OPS`` says per Relax operator how an op left alone is explained (the same checks) and
-what it costs (compiler/cost.py). partition.py, codegen.py and cost.py dispatch on these tables and
+what it costs (compiler/stages/cost.py). partition.py, codegen.py and cost.py dispatch on these tables and
 know no op by name.
 
 The constraints follow Arm NN 20.08 / ACL and TVM v0.19's ACL integration:
@@ -30,7 +30,6 @@ form, an Arm NN layer since 23.11), so its op stays in TVM as one fused kernel.
     relax_ops.py   RELAX_OPS: per Relax operator its check and cost class; explain()
     order_onnx.py  an order rendered as ONNX, for the onnxruntime executor (orders/<symbol>.onnx)
 
-This package imports nothing of compiler/acl.py (the shim the callers that have not moved yet use).
 """
 
 from .checks import GELU_SINCE, slice_spec

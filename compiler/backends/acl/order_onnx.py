@@ -26,7 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tandoor_contract import hmod
-from tandoor_contract import orders
+from tandoor_contract import backends, orders
 
 OPSET = 17
 # The IR version that came with opset 17 (onnx 1.12). Every onnxruntime that runs opset 17
@@ -72,7 +72,7 @@ def order_to_onnx(order: dict, weights: bytes, external: str | None = None) -> o
     ver = order.get("order_version")
     if ver not in hmod.ORDER_VERSIONS:
         raise ValueError(f"order_version {ver!r} is not supported (expected one of {hmod.ORDER_VERSIONS})")
-    if orders.kind_of(order) != "layers":   # an onnx order (compiler/hatch.py) is its own ONNX already
+    if orders.kind_of(order) != backends.LAYERS:   # an onnx order (compiler/backends/onnx/hatch.py) is its own ONNX already
         raise ValueError(f"order {order.get('symbol')!r} is of kind {orders.kind_of(order)!r}: only a layer list is rendered")
     if external is not None and (not external or "/" in external or "\\" in external or external.startswith(".")):
         raise ValueError(f"external data file name {external!r} must be a plain file name")

@@ -1,5 +1,5 @@
 """Relax operators: why one that stayed in TVM was not delegated (the same checks as the table)
-and how compiler/cost.py counts it."""
+and how compiler/stages/cost.py counts it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from .exprs import _numel, _shape
 @dataclass(frozen=True)
 class RelaxOp:
     """A Relax operator: why it may stay in TVM (``check``; None: no ACL kernel at all) and how
-    compiler/cost.py counts it (``cost``: heavy = a kernel of its own even when fused, fused =
+    compiler/stages/cost.py counts it (``cost``: heavy = a kernel of its own even when fused, fused =
     rides along with a neighbour in TVM, free = no data movement; ``flops``: work done)."""
     check: OpCheck | None
     cost: str = "fused"

@@ -47,7 +47,7 @@ def _entries() -> list[Entry]:
         Entry("hardsigmoid", "activation", (_hardsigmoid_rule(),), emit_activation, "clip(a*x + b, 0, 1)"),
         Entry("silu", "activation", (_silu_rule(),), emit_activation, "x * sigmoid(x) written out"),
         Entry("gelu", "activation", (_single("gelu", "relax.nn.gelu", check_gelu),), emit_activation,
-              "GELU, erf form (ONNX Gelu, or written out: compiler/written_out.py)", since=GELU_SINCE),
+              "GELU, erf form (ONNX Gelu, or written out: compiler/stages/written_out.py)", since=GELU_SINCE),
         Entry("gelu_tanh", "activation", (_single("gelu_tanh", "relax.nn.gelu_tanh", check_unary),), emit_activation,
               "GELU, tanh form (built from multiply, add and tanh layers)"),
         Entry("layer_norm", "layer_norm", (_single("layer_norm", "relax.nn.layer_norm", check_layer_norm, 3),),

@@ -3,7 +3,7 @@
 What runs where: the GPU libraries are built from the model with no ACL region delegated (policy
 none: a Jetson's GPU outruns ACL on its CPU cores, so an ACL region there only adds two copies), so
 the whole model runs on the GPU except the onnxruntime orders (ops the device's TVM runtime lacks,
-compiler/hatch.py), whose inputs and outputs cross between GPU and host memory at each call: that
+compiler/backends/onnx/hatch.py), whose inputs and outputs cross between GPU and host memory at each call: that
 copy is the boundary's cost. The bundle keeps its CPU library with its ACL orders beside the GPU
 ones, as the fallback an agent runs when the GPU cannot be used.
 

@@ -94,7 +94,7 @@ def gpu_pipeline(target: tvm.target.Target, database: Path | None = None, observ
     from tvm.relax.backend.cuda import pipeline as cuda
     from tvm.s_tir import dlight as dl
 
-    from ...schedule import _Guarded
+    from ...stages.schedule import _Guarded
 
     # relax's CUDA legalisation ends in dlight's default rules; each guarded here, so that a rule
     # that raises is 'not applicable' and the next one schedules the function (TVM 0.27's GEMV
@@ -203,9 +203,10 @@ def build_gpu(mod: tvm.IRModule, llvm: dict, cross_cc: str | None, sms: tuple[st
     """The lowered TVM side (what codegen.build takes for the CPU) as one CUDA library per SM."""
     from tvm.support import cc
 
-    from ... import hatch, schedule
-    from ...codegen import LINK_OPTIONS
-    from ...passes import legalise_for_tvm
+    from ..onnx import hatch
+    from ...stages import schedule
+    from ...stages.codegen import LINK_OPTIONS
+    from ...stages.passes import legalise_for_tvm
 
     ok, why = nvrtc_available()
     if not ok:

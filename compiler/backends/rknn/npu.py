@@ -1,7 +1,7 @@
 """What the RK3588's NPU takes (through rknn-toolkit2 2.5.0), as data: one :class:`NpuOp` per ONNX
 op type, with a check that returns None when the NPU can take a node or a one-line reason when it
-cannot (the style of compiler/acl.py). ``pick`` applies the table to a loaded model; the nodes it
-takes are cut out like the escape hatch's (compiler/hatch.py) and become orders of kind "rknn"
+cannot (the style of compiler/backends/acl/). ``pick`` applies the table to a loaded model; the nodes it
+takes are cut out like the escape hatch's (compiler/backends/onnx/hatch.py) and become orders of kind "rknn"
 (contract/orders.py), converted by the toolkit in its own venv (compiler/backends/rknn/toolkit.py).
 
 The table works on ONNX nodes, before TVM sees the model: the toolkit converts ONNX, and the
@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ... import hatch
+from tandoor_contract import backends
+
+from ..onnx import hatch
 
 
 @dataclass
@@ -226,7 +228,7 @@ def context(model: onnx.ModelProto) -> Ctx:
 
 
 def flops(node: onnx.NodeProto, ctx: Ctx) -> float:
-    """Multiply-adds x2 of the matrix ops, one per output element for the rest (compiler/cost.py's
+    """Multiply-adds x2 of the matrix ops, one per output element for the rest (compiler/stages/cost.py's
     convention)."""
     out = ctx.dims(node.output[0]) if node.output else None
     n_out = float(np.prod(out)) if out and all(isinstance(d, int) for d in out) else 0.0
@@ -284,7 +286,7 @@ def pick(model: onnx.ModelProto, avoid: set[int] = frozenset(), ranges: dict[str
 
 
 def apply_profile(picked: Pick, measured, model_name: str, nodes: list[onnx.NodeProto]) -> str:
-    """Decide each group from a board's profile (compiler/profile.Measured of a bundle of this model
+    """Decide each group from a board's profile (compiler/stages/profile.Measured of a bundle of this model
     compiled with --npu) where it measured the group's rknn order: a group the NPU ran slower than
     onnxruntime ran its ONNX rendering leaves the NPU (``picked.refused`` says by how much).
     Returns the manifest's ``source`` of the decision."""
@@ -393,7 +395,7 @@ def convert_groups(model: onnx.ModelProto, groups: list, *, dtype: str, samples:
 
     calib, check = split_samples(samples) if samples else ([], probe_inputs)
     done = Converted([], check, bool(samples), {})
-    rk = [g for g in groups if g.kind == "rknn"]
+    rk = [g for g in groups if g.kind == backends.RKNN]
     if not rk:
         return done
     names = sorted({n for g in rk for n in g.inputs + g.outputs})
@@ -471,9 +473,9 @@ def keep_converted(old: list, new: list) -> None:
     def nodes_of(g) -> frozenset:
         return frozenset(o for n in g.nodes for o in n.output)
 
-    by_nodes = {nodes_of(g): g for g in old if g.kind == "rknn" and g.rknn_blob}
+    by_nodes = {nodes_of(g): g for g in old if g.kind == backends.RKNN and g.rknn_blob}
     for g in new:
-        if g.kind == "rknn" and (was := by_nodes.get(nodes_of(g))) is not None:
+        if g.kind == backends.RKNN and (was := by_nodes.get(nodes_of(g))) is not None:
             g.rknn, g.rknn_blob, g.simulated = was.rknn, was.rknn_blob, was.simulated
 
 
@@ -483,7 +485,7 @@ def simulated_outputs(model: onnx.ModelProto, groups: list, check: list[list[np.
     simulated on fp32 inputs, so errors of two groups in a row are not compounded here."""
     import onnxruntime as ort
 
-    rk = [g for g in groups if g.kind == "rknn" and g.simulated]
+    rk = [g for g in groups if g.kind == backends.RKNN and g.simulated]
     m = onnx.ModelProto()
     m.CopyFrom(model)
     made = {o for g in rk for n in g.nodes for o in n.output}

@@ -10,9 +10,9 @@ from collections import Counter
 
 import numpy as np
 
-from tandoor_contract import probe
+from tandoor_contract import backends, probe
 
-from ... import hatch
+from ..onnx import hatch
 from . import npu, toolkit
 
 
@@ -57,7 +57,7 @@ def convert(loaded, opts, picked: npu.Pick, say, golden_pairs: int) -> npu.Conve
         picked.groups = kept
         old, (loaded.tvm_proto, loaded.hatch) = loaded.hatch, cut(loaded, opts.name or loaded.name, picked)
         npu.keep_converted(old, loaded.hatch)
-        converted.orders = [{"symbol": g.symbol, **g.rknn} for g in loaded.hatch if g.kind == "rknn"]
+        converted.orders = [{"symbol": g.symbol, **g.rknn} for g in loaded.hatch if g.kind == backends.RKNN]
     return converted
 
 
@@ -78,3 +78,13 @@ def promise(tolerance: dict, loaded, converted: npu.Converted, dtype: str) -> No
             "why": f"the NPU's {dtype} in rknn-toolkit2 {version}'s simulator on {converted.source}: worst abs err "
                    f"{err:.3g}, doubled for the NPU's own rounding"}
         tolerance["atol"] = max(tolerance["atol"], entry["paths"]["rknn"]["atol"])
+
+
+def npu_fix(npu: dict) -> str:
+    """What to try when the NPU's answers are past --max-drop: the layers the simulator's per-layer
+    report says hurt most (worker.py), then the usual ways out."""
+    worst = sorted((r for o in npu.get("orders") or () for r in o.get("worst_layers") or ()),
+                   key=lambda r: r["cosine"])[:5]
+    hurt = ("Layers that hurt most: " + ", ".join(f"{r['layer']} ({r['op']}, cosine {r['cosine']:.3f})" for r in worst)
+            + ". ") if worst else ""
+    return hurt + "Try --npu-dtype fp16, more --calibration frames, or compile without --npu"

@@ -1,6 +1,6 @@
 """How far a quantized model's answers are from its fp32 model's: the numbers `tandoor verify
 --images`, `tandoor quantize --max-drop` (and `compile --int8 --max-drop`) and `tandoor bench
---int8 --images` all report, computed here once. host/accuracy.py runs the two models image by
+--int8 --images` all report, computed here once. compiler/int8/accuracy.py runs the two models image by
 image and hands each pair of outputs to an :class:`OutputTally`.
 
 Per output:

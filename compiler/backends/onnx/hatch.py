@@ -8,7 +8,7 @@ Two kinds of node go this way, each with its reason (``why``):
                      TVM library registers (RUNTIME_LACKS); the device loads the runtime only
 
 ``cut`` replaces each connected run of such nodes (merged only where that makes no cycle) by one
-placeholder node; while TVM imports the model (compiler/importer.py) the placeholder becomes a
+placeholder node; while TVM imports the model (compiler/stages/importer.py) the placeholder becomes a
 call to an external function (Codegen "onnxruntime", ``converter``), which RunCodegen turns into
 ``call_dps_packed(symbol, inputs)`` as it does for the ACL regions; the VM resolves the symbol to
 the agent's onnxruntime executor, as it does every delegated order. The order's ONNX rendering is the original nodes with the
@@ -38,11 +38,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from tandoor_contract import orders, probe
+from tandoor_contract import backends, orders, probe
 
-from .errors import CompileError
-from .frontend import ONNX_DTYPES as _DTYPES
-from .normalise import Context, reads, sort_nodes
+from ...errors import CompileError
+from ...stages.frontend import ONNX_DTYPES as _DTYPES
+from ...stages.normalise import Context, reads, sort_nodes
 
 DOMAIN = "ai.tandoor"          # the placeholder's domain: no ONNX op set uses it
 PLACEHOLDER = "OnnxruntimeOrder"
@@ -123,24 +123,24 @@ class Group:
             shape, dtype = self.specs[n]
             return {"name": n, "shape": shape, "dtype": dtype}
 
-        order = {"order_version": orders.ONNX_ORDER_VERSION, "kind": "onnx", "symbol": self.symbol,
+        order = {"order_version": orders.ONNX_ORDER_VERSION, "kind": backends.ONNX, "symbol": self.symbol,
                  "onnx_ops": sorted(set(self.op_types)),
                  "inputs": [spec(n) for n in self.inputs], "outputs": [spec(n) for n in self.outputs],
                  "tensors": {n: {k: v for k, v in spec(n).items() if k != "name"} for n in self.inputs + self.outputs},
                  "weights": {}, "ops": []}
-        if self.kind == "rknn":
-            order.update(order_version=orders.RKNN_ORDER_VERSION, kind="rknn", rknn=dict(self.rknn))
+        if self.kind == backends.RKNN:
+            order.update(order_version=orders.RKNN_ORDER_VERSION, kind=backends.RKNN, rknn=dict(self.rknn))
         return order
 
     def manifest_entry(self, member: str) -> dict:
         ops = Counter(self.op_types)
         entry = {"symbol": self.symbol, "ops": [f"onnx.{o}" for o in self.op_types], "composites": [],
-                 "delegate": True, "executor": "onnxruntime", "kind": "onnx",
+                 "delegate": True, "executor": "onnxruntime", "kind": backends.ONNX,
                  "reason": "onnxruntime: " + "; ".join(f"{o}: {self.why[o]}" for o in ops),
                  "why": dict(self.why), "nodes": [n.name or n.output[0] for n in self.nodes],
                  "est": {}, "order": f"{member}.json", "onnx": f"{member}.onnx"}
-        if self.kind == "rknn":
-            entry.update(executor="rknn", kind="rknn", rknn=f"{member}.rknn",
+        if self.kind == backends.RKNN:
+            entry.update(executor="rknn", kind=backends.RKNN, rknn=f"{member}.rknn",
                          reason=f"rknn: {len(self.nodes)} node(s) the RK3588 NPU takes (compiler/backends/rknn/npu.py)",
                          est={"source": "estimate (NPU op table)"})
         return entry
@@ -281,7 +281,7 @@ def cut(model: onnx.ModelProto, model_name: str, inputs: list[dict],
     graph_outputs = {o.name for o in model.graph.output}
     prefix = symbol_prefix(model_name)
     groups: list[Group] = []
-    cuts = [(f"{prefix}_ort_{k}", "onnx", members, picked) for k, members in enumerate(merge(model, picked))]
+    cuts = [(f"{prefix}_ort_{k}", backends.ONNX, members, picked) for k, members in enumerate(merge(model, picked))]
     cuts += [(rknn_symbol(model_name, k), "rknn", kept, why) for k, (members, why) in enumerate(npu)
              if (kept := [m for m in members if m not in tail_at])]
     if tail_at:
@@ -353,7 +353,7 @@ def _tail(model: onnx.ModelProto) -> dict[int, str]:
         (n.op_type in DATA_SHAPED and any(o not in static for o in n.output if o)) or _scans_vary(n, data))}
     if not seeds:
         return {}
-    out = {k: (f"its output size depends on the data; the bundle runs it, and what follows it, in onnxruntime "
+    out = {k: ("its output size depends on the data; the bundle runs it, and what follows it, in onnxruntime "
                "after the TVM part") for k in seeds}
     first = nodes[min(seeds)].op_type
     made = {o for k in seeds for o in nodes[k].output if o}
@@ -469,7 +469,7 @@ def tail_entry(model: onnx.ModelProto, groups: list[Group]) -> dict | None:
     vm = vm_outputs(model, groups)
     fed = [i.name for i in model.graph.input]
     ops = Counter(tail.op_types)
-    return {"symbol": tail.symbol, "kind": "onnx", "onnx": f"orders/{tail.symbol}.onnx",
+    return {"symbol": tail.symbol, "kind": backends.ONNX, "onnx": f"orders/{tail.symbol}.onnx",
             "ops": [f"onnx.{o}" for o in tail.op_types],
             "reason": "onnxruntime after the TVM part: " + "; ".join(f"{o}: {tail.why[o]}" for o in ops),
             "why": dict(tail.why),
@@ -484,7 +484,7 @@ CODEGEN = "onnxruntime"   # the placeholder functions' Codegen attr: RunCodegen 
 
 
 def converter(groups: list[Group]):
-    """The importer's converter class for the placeholder (compiler/importer.py): a call to an
+    """The importer's converter class for the placeholder (compiler/stages/importer.py): a call to an
     external function (attr Codegen) named by the group's symbol, which RunCodegen turns into
     call_dps_packed(symbol) as it does for the ACL regions. (A call_dps_packed made here would
     meet MergeCompositeFunctions, which cannot visit an ExternFunc in TVM 0.27.) Its body, zeros

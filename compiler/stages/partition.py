@@ -1,4 +1,5 @@
-"""Mark -> merge -> keep what pays -> unique symbols. Mechanics only; the rules are in acl.py."""
+"""Mark -> merge -> keep what pays -> unique symbols. Mechanics only; the rules are the backends' tables
+(compiler/backends/acl/, the escape hatch's compiler/backends/onnx/hatch.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import tvm
 from tvm import relax
 from tvm.relax.transform import FusionPattern
 
-from . import acl, hatch
+from ..backends import acl
+from ..backends.onnx import hatch
 
 CODEGEN = "acl"
 
@@ -101,9 +103,6 @@ def partition(mod: tvm.IRModule, model_name: str, keep=None) -> PartitionResult:
     for k, name in enumerate(order):
         func = mod[name]
         composites, ops = [], []
-        for inner in _all_calls(func):
-            if isinstance(inner.op, relax.Function) or (isinstance(inner.op, relax.Var)):
-                pass
         for f in _local_composites(func):
             composites.append(str(f.attrs["Composite"]))
             ops += [c.op.name for c in calls(f)]
@@ -126,7 +125,7 @@ def partition(mod: tvm.IRModule, model_name: str, keep=None) -> PartitionResult:
 
 def _keep_external_symbols(mod: tvm.IRModule) -> tvm.IRModule:
     """MergeCompositeFunctions renames every function with a Codegen attr to "<name>_<codegen>",
-    the escape hatch's already named ones too (compiler/hatch.py): their symbols are what the
+    the escape hatch's already named ones too (compiler/backends/onnx/hatch.py): their symbols are what the
     device registers, so they get their names back."""
     for gv, func in list(mod.functions.items()):
         if isinstance(func, relax.Function) and func.attrs is not None and func.attrs.get("Codegen") == hatch.CODEGEN:

@@ -6,7 +6,7 @@ Each image is preprocessed as the device preprocesses a frame (the bundle's mani
 through the bundle's host lib and through the fp32 model in onnxruntime. Per output: the SQNR
 and the cosine similarity; for a classifier (the first output, when the device decodes the bundle
 as one: postprocess.resolve) top-1 agreement on the images where fp32 is confident (and how many
-they were), top-5 agreement on all: host/agreement.py holds those numbers and their verdict. For a detector (the manifest names a box decoder), both
+they were), top-5 agreement on all: compiler/int8/agreement.py holds those numbers and their verdict. For a detector (the manifest names a box decoder), both
 sets of outputs go through the device's own decoder (agent/serve/pipeline.py ``decode``, NMS and
 thresholds as the bundle records them) and each fp32 box is matched to one of the bundle's of the
 same class at IoU >= 0.5, greedily by fp32 score: ``box_agreement`` = matched / fp32 boxes, and
@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from tandoor_contract import hmod
+
+from ..errors import CompileError
 
 from . import calibration as calib
 from .agreement import CONFIDENT_P, MIN_CONFIDENT, OutputTally, top1_verdict
@@ -93,7 +95,7 @@ def simulated_npu(model: str | Path, inputs, samples: list[list[np.ndarray]] | N
     ``executors.rknn_runtime``), calibrated as `compile --npu` calibrated them on ``samples`` (the
     model inputs it made from --calibration), so the host judges what the NPU would give."""
     from tandoor_agent.run import executors
-    from tandoor_compiler import frontend
+    from tandoor_compiler.stages import frontend
     from tandoor_compiler.backends.rknn import npu
 
     was = executors.rknn_runtime
@@ -144,8 +146,7 @@ def compare(m: dict, run, reference: str | Path, images: str | Path, *, count: i
     import onnxruntime as ort
 
     from tandoor_agent.serve.pipeline import decode
-    from tandoor_compiler import frontend
-    from tandoor_compiler.errors import CompileError
+    from tandoor_compiler.stages import frontend
 
     src = calib.open_source(images, "--images")
     if len(m["inputs"]) != 1:
@@ -201,3 +202,52 @@ def compare(m: dict, run, reference: str | Path, images: str | Path, *, count: i
             "outputs": per_output, "max_drop": max_drop, "min_sqnr_db": min_sqnr_db, "ok": not failures,
             "failures": failures, "notes": notes, "top1_judged": bool(cls) and not notes,
             "confident_p": CONFIDENT_P, "min_confident": MIN_CONFIDENT, "quantized": bool(m.get("quantized"))}
+
+
+# --- the budget: --max-drop judged on --validation, before work and after it ---------------------
+
+NOTHING_TO_JUDGE = ("--max-drop: these outputs have no class scores and no boxes to judge agreement by "
+                    "(compile --int8 with --decoder for a detector); drop --max-drop and check with "
+                    "tandoor verify --images --min-sqnr")
+INT8_FIX = "Try --method percentile, more calibration images, or --keep-fp32 on the layers the report names"
+
+
+def check_budget(validation, max_drop, *, model, inputs=(), decoder: str | None = None) -> None:
+    """Refuse a budget that cannot be judged before any work: the two options apart, validation
+    images that are not there, or outputs with nothing to agree on (no class scores, no boxes)."""
+    if (validation is None) != (max_drop is None):
+        raise CompileError("--max-drop and --validation go together: give the budget and the images calibration "
+                           "did not see to judge it on, or neither")
+    if validation is None:
+        return
+    from tandoor_compiler.stages import frontend
+
+    from . import calibration as calib
+
+    calib.open_source(validation, "--validation")      # refused now, not after minutes of work
+    outputs = [o.as_dict() for o in frontend.load(model, list(inputs)).outputs]
+    if judged_by({"outputs": outputs, "postprocess": {"decoder": decoder} if decoder else None}) is None:
+        raise CompileError(NOTHING_TO_JUDGE)
+
+
+def verdict(res: dict, max_drop: float, *, say=None, what: str = "INT8", fix: str = INT8_FIX) -> str:
+    """What the held-out images said, as one line (given to ``say`` first); a CompileError (exit 2)
+    past the budget or when the images cannot judge it."""
+    from .agreement import describe
+
+    said = [describe(res)] if res.get("confident_images") is not None else []
+    if res.get("box_agreement") is not None:
+        said.append(f"box agreement {res['box_agreement']:.1%} ({res['boxes_matched']}/{res['boxes_fp32']} boxes)")
+    if not said:
+        raise CompileError(NOTHING_TO_JUDGE)
+    line = (f"on {res['images']} held-out image(s): " + ", ".join(said)
+            + ", SQNR " + ", ".join(f"{k} {v:.1f} dB" for k, v in res["sqnr_db"].items()))
+    if say is not None:
+        say(line)
+    if res["notes"] and res.get("box_agreement") is None:
+        raise CompileError(f"--max-drop cannot be judged on --validation's {res['images']} image(s): "
+                           f"{res['notes'][0]}; nothing written (or drop --max-drop and read tandoor verify --images)")
+    if not res["ok"]:
+        raise CompileError(f"{what} is past --max-drop {max_drop:.1%} on {res['images']} held-out image(s): "
+                           f"{'; '.join(res['failures'])}; nothing written. {fix}")
+    return line

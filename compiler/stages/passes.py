@@ -6,7 +6,7 @@
     power_to_multiply         x ** 2 -> x * x (YOLO box decoders); Arm NN has no Pow layer
     constants_right           c * x -> x * c, so that layout inference follows the tensor
     written_out.fold          GELU (erf, tanh), TF-style LayerNorm and rank-5 channel shuffles
-                              written as chains of small ops -> one op each (compiler/written_out.py)
+                              written as chains of small ops -> one op each (compiler/stages/written_out.py)
     FoldBatchnormToConv2D     conv2d -> batch_norm folded (onnxruntime folds most already)
     ConvertLayout             conv2d and conv2d_transpose to NHWC, as ACL wants; TVM carries the
                               layout through elementwise ops, concat, slices, pools and resizes
@@ -381,7 +381,7 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
 
 def transpose_before_dequantize(mod: tvm.IRModule) -> tvm.IRModule:
     """permute(dequantize(q)) -> dequantize(permute(q)) for per-tensor dequantization: the layout
-    transpose moves a quarter of the bytes, and a quantized conv2d composite (compiler/acl.py)
+    transpose moves a quarter of the bytes, and a quantized conv2d composite (compiler/backends/acl/)
     then starts right at the dequantize (the model input's first conv, after the NCHW -> NHWC
     transpose)."""
 

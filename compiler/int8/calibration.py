@@ -113,3 +113,68 @@ def tensors(src: Source, indices: list[int], spec: dict, preprocess: dict | None
         raise CompileError(f"the model's input cannot take images: {err}") from None
     for _, rgb in rgb_frames(src, indices):
         yield pre(rgb)
+
+
+# --- calibration runs: what `compile --int8`, `compile --npu` and `tandoor quantize` feed ----------
+
+DEFAULT_VIDEO_FRAMES = 300   # frames of a video calibration spreads over (a directory: all its images)
+NPU_FRAMES = 50              # frames of a video for --npu, every fifth held out for the check
+
+
+def _samples_for(src: Source, n: int, model_inputs, opts) -> tuple[dict | None, Iterator[list[np.ndarray]]]:
+    """The manifest's preprocess for ``opts`` (pipeline.Options' preprocessing fields) and the
+    model inputs made from ``n`` images of ``src`` by it, as the device will make them."""
+    from tandoor_contract import media
+
+    from ..pipeline import preprocess_entry
+
+    if len(model_inputs) != 1:
+        raise CompileError(f"the model has {len(model_inputs)} inputs; calibration from images feeds one image input")
+    first = model_inputs[0]
+    pre = preprocess_entry(opts, list(first.shape), first.dtype)
+    spec = {**first.as_dict(), "layout": opts.layout or media.guess_layout(first.shape)}
+    return pre, ([x] for x in tensors(src, pick(src.size, n), spec, pre))
+
+
+def npu_samples(model, calibration, count: int | None, opts) -> list[list[np.ndarray]]:
+    """The model inputs --npu calibrates (and checks) on: ``calibration``'s images or video frames
+    (``count`` of them; default a directory's all, NPU_FRAMES of a video), preprocessed as the
+    device will by ``opts`` (pipeline.Options)."""
+    from ..stages import frontend
+
+    loaded = frontend.load(model, list(opts.inputs))
+    src = open_source(calibration)
+    n = count if count is not None else (min(NPU_FRAMES, src.size) if src.is_video else src.size)
+    return list(_samples_for(src, n, loaded.inputs, opts)[1])
+
+
+def quantize_on_images(model, out, calibration, count: int | None, opts, *, method: str = "minmax",
+                       per_channel: bool = True, activations: str | None = None, keep_fp32=(), lead: bool = True,
+                       report_samples: int = 4, on_event=None) -> dict:
+    """MODEL -> the QDQ model OUT, calibrated on ``count`` images of ``calibration`` preprocessed
+    as ``opts`` (pipeline.Options: inputs, targets and the preprocessing fields) says: what
+    `tandoor quantize` and `compile --int8` both run. ``on_event(name, data)`` hears
+    ("calibrating", {"done", "total"}) and ("say", {"message"}). Returns quantize_model's summary
+    with ``preprocess`` (the manifest entry used) and ``source`` (where the images came from)."""
+    from .quantize import quantize_model
+
+    tell = on_event or (lambda name, data: None)
+    src = open_source(calibration)
+    n = count if count is not None else (DEFAULT_VIDEO_FRAMES if src.is_video else src.size)
+    if n > src.size:
+        raise CompileError(f"--images {n}: {src.describe()} has only {src.size}; give --images {src.size} or "
+                           "more images")
+    chosen: dict = {"calibration": src.describe()}     # recorded in the model; preprocess once it is known
+
+    def samples(model_inputs):
+        chosen["preprocess"], it = _samples_for(src, n, model_inputs, opts)
+        return it
+
+    res = quantize_model(model, out, calibration=samples, count=n, inputs=list(opts.inputs), method=method,
+                         per_channel=per_channel, activations=activations, targets=list(opts.targets),
+                         keep_fp32=keep_fp32, lead=lead, report_samples=report_samples, metadata=chosen,
+                         progress=lambda done, total: tell("calibrating", {"done": done, "total": total}),
+                         say=lambda m: tell("say", {"message": m}))
+    res["preprocess"] = chosen.get("preprocess")
+    res["source"] = src.describe()
+    return res

@@ -12,7 +12,7 @@ which is the architecture's p > p_min with p = t_tvm / T_model, s_e = t_tvm / t_
 c_o = t_bridge / T_model:  S = 1 / ((1 - p) + p / s_e + c_o) > 1  <=>  p > c_o * s_e / (s_e - 1).
 Both forms are recorded in the manifest (partitions[].est) so `tandoor inspect` shows the numbers.
 
-Measured profiles (`tandoor profile`, compiler/profile.py) replace the estimates subgraph by
+Measured profiles (`tandoor profile`, compiler/stages/profile.py) replace the estimates subgraph by
 subgraph: `decide()` takes measured microseconds where it has them.
 
 The rate table: x86_64 rows are measured on the development host (2-core AMD EPYC, AVX2, see
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
-from . import acl
+from ..backends import acl
 from tandoor_contract import orders
 
 # --- FLOPs and bytes per op ----------------------------------------------------------------------
@@ -53,7 +53,7 @@ def _tensor_bytes(ty) -> int:
 
 
 def op_flops(call: relax.Call) -> float:
-    """Work an op does, by the ACL table's formula for it (compiler/acl.py RELAX_OPS); ops it
+    """Work an op does, by the ACL table's formula for it (compiler/backends/acl/ RELAX_OPS); ops it
     gives no formula count one operation per output element."""
     row = acl.relax_op(call.op.name)
     try:
@@ -105,7 +105,7 @@ RATES: dict[str, dict[str, Rate]] = {
         # one onnxruntime call ~8 us (io_binding) + ~25 us executor wrapper; CpuRef ~770x onnxruntime
         # TVM computes a QDQ model's quantized ops in float between (de)quantize ops (int8_x 1);
         # onnxruntime's x86 kernels fuse uint8-activation QDQ convs (int8 ones stay float here)
-        "tvm": Rate(55.0, 10.0, 3.0, 0.0, "compiler/schedule.py rules, 2 threads (measured)"),
+        "tvm": Rate(55.0, 10.0, 3.0, 0.0, "compiler/stages/schedule.py rules, 2 threads (measured)"),
         "onnxruntime": Rate(70.0, 12.0, 2.0, 25.0, "onnxruntime CPU EP, 2 threads (measured)", int8_x=2.0),
         "armnn": Rate(0.09, 0.5, 5.0, 40.0, "Arm NN CpuRef: the reference backend (measured)"),
     },
@@ -187,7 +187,7 @@ def _region_kernels(func: relax.Function) -> list[tuple[list[relax.Call], int]]:
 
 
 def int8_flops(func: relax.Function) -> float:
-    """The work of a region's quantized composites (compiler/acl.py's q entries: they end in a
+    """The work of a region's quantized composites (compiler/backends/acl/'s q entries: they end in a
     quantize), which its executors run with integer kernels."""
     return sum(op_flops(c) for calls, _ in _region_kernels(func) if any(c.op.name == "relax.quantize" for c in calls)
                for c in calls)

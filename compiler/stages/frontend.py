@@ -1,8 +1,8 @@
-"""Load an ONNX model: read and check it, then normalise it (compiler/normalise.py).
+"""Load an ONNX model: read and check it, then normalise it (compiler/stages/normalise.py).
 
 Models in the wild carry dynamic dims, Shape->Gather->Concat chains, stale shapes and old
 opsets that TVM's importer rejects; the normalisation steps deal with each. The import into
-Relax is compiler/importer.py.
+Relax is compiler/stages/importer.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import onnx
 from tandoor_contract import hmod, media
 
 from . import normalise
-from .errors import CompileError
+from ..errors import CompileError
 
 ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64", 9: "bool", 10: "float16", 11: "float64"}
 
@@ -43,7 +43,7 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)
     overwritten: bool = False         # --input replaced a static dim of the model's input
     fp16: dict | None = None          # fp16 parts computed in fp32 (normalise.fp16_to_fp32)
-    # the escape hatch (compiler/hatch.py): what TVM imports when some nodes go to onnxruntime
+    # the escape hatch (compiler/backends/onnx/hatch.py): what TVM imports when some nodes go to onnxruntime
     tvm_proto: onnx.ModelProto | None = None
     hatch: list = field(default_factory=list)
 
@@ -103,7 +103,7 @@ _OTHER_DTYPE = "Tandoor compiles float32 or uint8 (camera pixel) inputs; export 
 
 
 def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> LoadedModel:
-    """Read, check and normalise (compiler/normalise.py STEPS) an ONNX model with its inputs
+    """Read, check and normalise (compiler/stages/normalise.py STEPS) an ONNX model with its inputs
     pinned: what TVM imports and the golden pairs run on."""
     path = Path(path)
     ctx = normalise.Context(path, parse_input_specs(input_specs))

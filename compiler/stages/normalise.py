@@ -58,7 +58,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .errors import CompileError
+from ..errors import CompileError
 
 MIN_OPSET = 7           # the oldest default-domain opset onnxruntime runs every op of
 UPGRADE_TO = 13
@@ -440,7 +440,7 @@ def tidy_resize_inputs(model: onnx.ModelProto, ctx: Context) -> None:
     out, as far as the model's opset allows. From opset 13 roi, scales and sizes are all optional
     (""); opsets 11-12 require roi and scales (an empty scales when sizes are given), so there only
     an empty sizes goes, and TVM's importer is told that an empty constant means none
-    (compiler/importer.py)."""
+    (compiler/stages/importer.py)."""
     inits = _inits(model)
 
     def empty(name: str) -> bool:

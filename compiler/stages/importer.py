@@ -11,7 +11,7 @@ ones that emit plain Relax ops (and restored after, even on error):
     Resize               an empty roi/scales/sizes constant (opsets 11-12's "not given") as none
                          (TVM asserts that only one of scales and sizes is given)
 
-and the escape hatch's placeholder nodes (compiler/hatch.py) import as calls to external functions
+and the escape hatch's placeholder nodes (compiler/backends/onnx/hatch.py) import as calls to external functions
 (Codegen "onnxruntime") that RunCodegen later makes call_dps_packed to their orders' symbols.
 """
 
@@ -23,7 +23,7 @@ import io
 
 import numpy as np
 
-from .errors import CompileError
+from ..errors import CompileError
 
 
 def _const_value(e, default):
@@ -135,10 +135,10 @@ def _patched():
 
 @contextlib.contextmanager
 def _placeholders(groups):
-    """The escape hatch's placeholder nodes (compiler/hatch.py) known to the importer while it runs."""
+    """The escape hatch's placeholder nodes (compiler/backends/onnx/hatch.py) known to the importer while it runs."""
     from tvm.relax.frontend.onnx import onnx_frontend as fe
 
-    from . import hatch
+    from ..backends.onnx import hatch
 
     if not groups:
         yield
@@ -174,7 +174,7 @@ def _watched(seen: list):
 
 
 def to_relax(model):
-    """Import a loaded model (compiler/frontend.LoadedModel) with weights as constants (what
+    """Import a loaded model (compiler/stages/frontend.LoadedModel) with weights as constants (what
     `is_const()` patterns need)."""
     from tvm.relax.frontend.onnx import from_onnx
 

@@ -14,8 +14,9 @@ from tvm import relax
 
 from tandoor_contract import hmod, orders
 
-from . import acl, hatch
-from .errors import CompileError
+from ..backends import acl
+from ..backends.onnx import hatch
+from ..errors import CompileError
 
 ALIGN = 64
 
@@ -145,7 +146,7 @@ def _register_codegen() -> None:
     'nothing to link' and let RunCodegen turn each region call into call_dps_packed(symbol)."""
     global _REGISTERED
     if not _REGISTERED:
-        # the same for the escape hatch's onnxruntime orders (compiler/hatch.py), written by pipeline
+        # the same for the escape hatch's onnxruntime orders (compiler/backends/onnx/hatch.py), written by pipeline
         for name in ("acl", hatch.CODEGEN):
             tvm_ffi.register_global_func(f"relax.ext.{name}", lambda funcs, options, consts: [], override=True)
         _REGISTERED = True

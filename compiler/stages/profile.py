@@ -1,5 +1,5 @@
 """Profiles on the compiler side: check one against the model being compiled, then hand its
-measured numbers to the cost policy (compiler/cost.py). Measuring lives in tandoor_agent.run.profile
+measured numbers to the cost policy (compiler/stages/cost.py). Measuring lives in tandoor_agent.run.profile
 so that a board without the compiler can run it.
 
 A stale profile silently used is a classic failure (a tuning cache from another model, shape or
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tandoor_contract import profile as facts
 
-from .errors import CompileError
+from ..errors import CompileError
 
 VM_CALLBACK_US = 0.7     # call_dps_packed into an empty Python function (notes/tvm-0.27-byoc.md)
 

@@ -4,7 +4,7 @@ Each form is a row of ``FORMS``: a dataflow pattern, and a function that returns
 match computes, or None when the constants or shapes say it is something else (the match is then
 left as it was). Written out, these chains cut a delegated region into pieces (Erf, Sqrt, a mean
 over the last axis and rank-5 tensors have no ACL kernel) and cost TVM a layout transpose pair
-each; as one op, the ACL table (compiler/acl.py) either takes the op or TVM runs it as one fused
+each; as one op, the ACL table (compiler/backends/acl/) either takes the op or TVM runs it as one fused
 kernel.
 
     GELU, erf form      x * (1 + erf(x / sqrt 2)) * 0.5   (any association; / sqrt 2 or * 1/sqrt 2)
@@ -17,7 +17,7 @@ kernel.
                         reshape / transpose(0,1,3,2) / reshape in NHWC, which ACL runs and which
                         meets the neighbouring convolutions' layout without transposes
 
-``fold`` runs before the layout change (compiler/passes.py), once per form.
+``fold`` runs before the layout change (compiler/stages/passes.py), once per form.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ onnxruntime.quantization does the work, as its docs advise for CNNs on CPUs: ``q
 TVM's importers included). The model is loaded and normalised as ``tandoor compile`` loads it
 (frontend.load: pinned shapes, old opsets upgraded, ...), so the quantized file is what compile
 will import. The calibration inputs come from the caller (the host CLI preprocesses images the
-way the bundle will, host/calibration.py); this module never reads pixels.
+way the bundle will, compiler/int8/calibration.py); this module never reads pixels.
 
 For an already-quantized QDQ model (the output here, or a PyTorch/NNCF/ModelOpt export),
 :func:`tolerance` is how far the compiled bundle may differ from onnxruntime's QDQ run, in
@@ -30,9 +30,9 @@ from onnx import numpy_helper
 
 from tandoor_contract import agreement, durable, probe
 
-from . import frontend, normalise
-from .check_facts import constants
-from .errors import CompileError
+from ..stages import frontend, normalise
+from ..stages.check_facts import constants
+from ..errors import CompileError
 
 METHODS = ("minmax", "entropy", "percentile")
 ACTIVATIONS = ("int8", "uint8")
@@ -119,7 +119,7 @@ def _deciding_arch(targets: Iterable[str] = ()) -> tuple[str, str, str, bool]:
     for `tandoor verify` and the health gate's golden check), else this host does."""
     import platform
 
-    from .targets import PRESETS
+    from ..targets import PRESETS
 
     host_arch = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
     archs = []
@@ -610,7 +610,7 @@ def tolerance(loaded: frontend.LoadedModel) -> dict | None:
     miss the rare flip a golden pair meets (PP-OCRv4 det: 13 of 307200 elements up to 68 steps off
     where both spreads were 2); ``atol`` is the largest, for readers that know one pair. A wrong
     bundle (a wrong weight, layout or op) misses on most of an output, by a large part of its range."""
-    from .check_facts import rounding_noise
+    from ..stages.check_facts import rounding_noise
 
     steps = output_steps(loaded.proto)
     if steps is None or not any(np.isfinite(v) for v in steps.values()):
