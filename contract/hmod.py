@@ -47,9 +47,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from . import durable, orders, probe
 from .orders import ORDER_VERSION, ORDER_VERSIONS
-from .signing import (key_fingerprint, generate_keypair, _write_exclusive, _read_key_file, load_private_key,  # noqa: F401  (re-exported)
-                      load_public_key, public_key_from_pem, public_key_pem, _command_bytes, sign_command,
-                      verify_command, _load_trusted)
+from .signing import (key_fingerprint, generate_keypair, write_exclusive, read_key_file, load_private_key,  # noqa: F401  (re-exported)
+                      load_public_key, public_key_from_pem, public_key_pem, command_bytes, sign_command,
+                      verify_command, load_trusted)
 
 __all__ = [
     "FORMAT_VERSION", "PLAIN_FORMAT_VERSION", "ORDER_VERSION", "ORDER_VERSIONS", "MANIFEST", "SIGNATURE", "SUFFIX",
@@ -89,7 +89,7 @@ SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, TAIL_FORMAT_VERSION, FORMAT_VERSION
 LIB_PARAMS = "lib/params.bin"
 GENERATED = "probe"   # a golden pair's "inputs" when they are probe.inputs(manifest, seed)
 _RESERVED = frozenset({MANIFEST, SIGNATURE})
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 # Fixed timestamp and mode so that the same inputs give a byte-identical bundle.
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 _ZIP_MODE = (stat.S_IFREG | 0o644) << 16
@@ -295,7 +295,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _sha256_stream(f: IO[bytes]) -> str:
     h = hashlib.sha256()
-    while chunk := f.read(_CHUNK):
+    while chunk := f.read(CHUNK):
         h.update(chunk)
     return h.hexdigest()
 
@@ -372,7 +372,7 @@ def _write_member(zf: zipfile.ZipFile, name: str, src: bytes | Path, sha: str) -
         size = os.fstat(sf.fileno()).st_size
         h = hashlib.sha256()
         with zf.open(_zinfo(name, size), "w", force_zip64=size >= zipfile.ZIP64_LIMIT) as dst:
-            while chunk := sf.read(_CHUNK):
+            while chunk := sf.read(CHUNK):
                 h.update(chunk)
                 dst.write(chunk)
     if h.hexdigest() != sha:  # streamed, not buffered: catch a file changing under us
@@ -398,7 +398,7 @@ def open_bundle(path: PathLike, trusted_keys: Iterable[KeySource] = (),
     verify with one of them. Without keys, a signature is not checked: the bundle reports
     ``signed=True, verified_by=None``. ``require_signature=True`` without keys is a
     configuration error (ValueError)."""
-    keys = _load_trusted(trusted_keys)
+    keys = load_trusted(trusted_keys)
     if require_signature is None:
         require_signature = bool(keys)
     if require_signature and not keys:

@@ -39,16 +39,16 @@ def generate_keypair(private_path: PathLike, public_path: PathLike) -> str:
                                  serialization.NoEncryption())
     pub_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
                                             serialization.PublicFormat.SubjectPublicKeyInfo)
-    _write_exclusive(priv_p, priv_pem, 0o600)  # private key readable by the owner only
+    write_exclusive(priv_p, priv_pem, 0o600)  # private key readable by the owner only
     try:
-        _write_exclusive(pub_p, pub_pem, 0o644)
+        write_exclusive(pub_p, pub_pem, 0o644)
     except BaseException:
         priv_p.unlink(missing_ok=True)  # don't leave half a key pair behind
         raise
     return key_fingerprint(key)
 
 
-def _write_exclusive(path: Path, data: bytes, mode: int) -> None:
+def write_exclusive(path: Path, data: bytes, mode: int) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)  # O_EXCL: no overwrite race
     except FileExistsError:
@@ -60,7 +60,7 @@ def _write_exclusive(path: Path, data: bytes, mode: int) -> None:
         os.fsync(f.fileno())
 
 
-def _read_key_file(path: Path) -> bytes:
+def read_key_file(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as e:
@@ -71,7 +71,7 @@ def _read_key_file(path: Path) -> bytes:
 def load_private_key(path: PathLike) -> Ed25519PrivateKey:
     """Load an unencrypted PKCS8 PEM Ed25519 private key (as written by generate_keypair)."""
     p = Path(path)
-    data = _read_key_file(p)
+    data = read_key_file(p)
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except TypeError:
@@ -88,7 +88,7 @@ def load_private_key(path: PathLike) -> Ed25519PrivateKey:
 def load_public_key(path: PathLike) -> Ed25519PublicKey:
     """Load a SubjectPublicKeyInfo PEM Ed25519 public key."""
     p = Path(path)
-    data = _read_key_file(p)
+    data = read_key_file(p)
     if b"PRIVATE KEY" in data:  # trust lists must hold public keys; keep secrets off the board
         raise KeyFileError(f"{p} is a private key", "pass the matching public key file instead")
     try:
@@ -119,7 +119,7 @@ def public_key_pem(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
     return pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
 
 
-def _command_bytes(body: Mapping[str, Any]) -> bytes:
+def command_bytes(body: Mapping[str, Any]) -> bytes:
     return json.dumps({k: v for k, v in body.items() if k not in ("signature", "signer")},
                       sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
@@ -128,7 +128,7 @@ def sign_command(body: Mapping[str, Any], private_key: PathLike | Ed25519Private
     """``body`` plus ``signature`` (Ed25519 over its canonical JSON, hex) and ``signer`` (the
     key's fingerprint): a command a device checks with :func:`verify_command` (key rotation)."""
     key = private_key if isinstance(private_key, Ed25519PrivateKey) else load_private_key(private_key)
-    return {**body, "signature": key.sign(_command_bytes(body)).hex(), "signer": key_fingerprint(key)}
+    return {**body, "signature": key.sign(command_bytes(body)).hex(), "signer": key_fingerprint(key)}
 
 
 def verify_command(msg: Mapping[str, Any], trusted_keys: Iterable[KeySource]) -> str:
@@ -138,8 +138,8 @@ def verify_command(msg: Mapping[str, Any], trusted_keys: Iterable[KeySource]) ->
         raw = bytes.fromhex(sig) if isinstance(sig, str) else b""
     except ValueError:
         raw = b""
-    data = _command_bytes(msg)
-    for k in _load_trusted(trusted_keys):
+    data = command_bytes(msg)
+    for k in load_trusted(trusted_keys):
         try:
             k.verify(raw, data)
         except InvalidSignature:
@@ -148,7 +148,7 @@ def verify_command(msg: Mapping[str, Any], trusted_keys: Iterable[KeySource]) ->
     raise BadSignature("the command's signature does not verify with any trusted key")
 
 
-def _load_trusted(keys: Iterable[KeySource]) -> list[Ed25519PublicKey]:
+def load_trusted(keys: Iterable[KeySource]) -> list[Ed25519PublicKey]:
     out = []
     for k in keys:
         if isinstance(k, Ed25519PublicKey):

@@ -154,7 +154,7 @@ class _Path:
         self.runs_total = 0
 
 
-def _ort_path(model, inputs, threads: int, spinning: bool = True, name: str | None = None) -> _Path:
+def ort_path(model, inputs, threads: int, spinning: bool = True, name: str | None = None) -> _Path:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -167,7 +167,7 @@ def _ort_path(model, inputs, threads: int, spinning: bool = True, name: str | No
     return _Path(name or ("onnxruntime" if spinning else "onnxruntime-nospin"), lambda: sess.run(None, feeds))
 
 
-def _hybrid_path(name: str, bundle_path: Path, delegate: str, inputs) -> _Path:
+def hybrid_path(name: str, bundle_path: Path, delegate: str, inputs) -> _Path:
     from tandoor_contract import hmod
     from tandoor_agent.run.runtime import HybridModule
 
@@ -352,12 +352,12 @@ def run(model_path: str | Path, input_specs=(), runs: int = 20, warmup: int = 5,
         try:
             # onnxruntime as a user gets it (its defaults: spinning worker threads), and without
             # spinning (as the hybrid's executor runs it on a loaded machine); the baseline is the better
-            builders = [(name, lambda spin=spin: _ort_path(model, inputs, n_threads, spinning=spin))
+            builders = [(name, lambda spin=spin: ort_path(model, inputs, n_threads, spinning=spin))
                         for name, (spin, _) in ORT_CONFIGS.items()]
-            builders += [("tvm", lambda: _hybrid_path("tvm", tvm_bundle, "tvm", inputs))]
-            builders += [(f"hybrid:{e}", lambda e=e: _hybrid_path(f"hybrid:{e}", hyb_bundle, e, inputs)) for e in use]
-            builders += [("choice", lambda: _hybrid_path("choice", hyb_bundle, "auto", inputs)),
-                         ("all-delegated", lambda: _hybrid_path("all-delegated", all_bundle, "auto", inputs))]
+            builders += [("tvm", lambda: hybrid_path("tvm", tvm_bundle, "tvm", inputs))]
+            builders += [(f"hybrid:{e}", lambda e=e: hybrid_path(f"hybrid:{e}", hyb_bundle, e, inputs)) for e in use]
+            builders += [("choice", lambda: hybrid_path("choice", hyb_bundle, "auto", inputs)),
+                         ("all-delegated", lambda: hybrid_path("all-delegated", all_bundle, "auto", inputs))]
             load_paths(builders, warmup, progress, paths)
             time_blocks(paths, runs, rounds, blocks, progress)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import ORT_CONFIGS, _hybrid_path, _ort_path, close_paths, load_paths, time_blocks
+from .bench import ORT_CONFIGS, hybrid_path, ort_path, close_paths, load_paths, time_blocks
 from .latency import summary
 
 # route -> (fp32 path, INT8 path); the onnxruntime routes are resolved to the better configuration
@@ -103,14 +103,14 @@ def run_int8(model_path: str | Path, int8_path: str | Path, input_specs=(), *, r
         m32 = compile_model(model_path, bundles["fp32"], Options(specs))
         progress("compiling the INT8 hybrid module")
         m8 = compile_model(int8_path, bundles["int8"], Options(specs))
-        builders = [(name, lambda model=model, spin=spin, name=name: _ort_path(model, inputs, n_threads,
+        builders = [(name, lambda model=model, spin=spin, name=name: ort_path(model, inputs, n_threads,
                                                                            spinning=spin, name=name))
                     for tag, model in (("fp32", fp32), ("int8", q)) for name, spin in _ort_names(tag)]
-        builders += [("tvm-fp32", lambda: _hybrid_path("tvm-fp32", bundles["tvm-fp32"], "tvm", inputs)),
-                     ("fp32:auto", lambda: _hybrid_path("fp32:auto", bundles["fp32"], "auto", inputs)),
-                     ("int8:onnxruntime", lambda: _hybrid_path("int8:onnxruntime", bundles["int8"], "onnxruntime", inputs)),
-                     ("int8:tvm", lambda: _hybrid_path("int8:tvm", bundles["int8"], "tvm", inputs)),
-                     ("int8:auto", lambda: _hybrid_path("int8:auto", bundles["int8"], "auto", inputs))]
+        builders += [("tvm-fp32", lambda: hybrid_path("tvm-fp32", bundles["tvm-fp32"], "tvm", inputs)),
+                     ("fp32:auto", lambda: hybrid_path("fp32:auto", bundles["fp32"], "auto", inputs)),
+                     ("int8:onnxruntime", lambda: hybrid_path("int8:onnxruntime", bundles["int8"], "onnxruntime", inputs)),
+                     ("int8:tvm", lambda: hybrid_path("int8:tvm", bundles["int8"], "tvm", inputs)),
+                     ("int8:auto", lambda: hybrid_path("int8:auto", bundles["int8"], "auto", inputs))]
         paths = []
         try:
             load_paths(builders, warmup, progress, paths)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .source import CameraError, FrameSource, SourceSpecError, _to_rgb
+from .source import CameraError, FrameSource, SourceSpecError, to_rgb
 
 log = logging.getLogger("tandoor.camera")
 
@@ -67,7 +67,7 @@ class _CvCapture(FrameSource):
             ok, img = self._cap.read()
             if ok and img is not None:
                 self._failures = 0
-                return _to_rgb(img)
+                return to_rgb(img)
             if self.finite:  # a pipeline with num-buffers= or a filesrc ends
                 return None
             self._failures += 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .source import IMAGE_EXTENSIONS, CameraError, FrameSource, SourceSpecError, _to_rgb
+from .source import IMAGE_EXTENSIONS, CameraError, FrameSource, SourceSpecError, to_rgb
 
 log = logging.getLogger("tandoor.camera")
 
@@ -74,7 +74,7 @@ class VideoFileSource(FrameSource):
             if not ok:
                 raise CameraError(f"video file {self.path}: no frame could be decoded after looping")
         self._in_pass += 1
-        return _to_rgb(img)
+        return to_rgb(img)
 
     def _close(self) -> None:
         if self._cap is not None:
@@ -126,7 +126,7 @@ class ImageFolderSource(FrameSource):
                 log.warning("%s: cannot read %s, skipped", self.name, p.name)
                 continue
             self._good_in_pass += 1
-            return _to_rgb(img)
+            return to_rgb(img)
 
 
 # --- synthetic -----------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class Frame:
     source: str
 
 
-def _to_rgb(img: np.ndarray) -> np.ndarray:
+def to_rgb(img: np.ndarray) -> np.ndarray:
     """OpenCV's BGR / gray / BGRA -> HxWx3 uint8 RGB."""
     import cv2
 

@@ -16,8 +16,8 @@ from tandoor_contract import hmod
 from tandoor_contract import durable
 
 from .slot_state import (
-    Busy, InstallRefused, RESERVE_BYTES, RESERVE_NAME, SLOTS, STATE_NAME, SourceLike, _CHUNK,
-    _io_refusal, _step, refusal_from
+    Busy, InstallRefused, RESERVE_BYTES, RESERVE_NAME, SLOTS, STATE_NAME, SourceLike, CHUNK,
+    io_refusal, state_step, refusal_from
 )
 
 log = logging.getLogger("tandoor.slots")
@@ -113,7 +113,7 @@ class Install:
             if size is not None:
                 self._check_space(st, slot, size)
             self._stream_to(source, staged)
-            _step("install:staged")
+            state_step("install:staged")
             src = staged
         else:
             src = Path(source)
@@ -129,7 +129,7 @@ class Install:
             if expected_sha256 and file_sha != expected_sha256.lower():
                 raise InstallRefused(f"bundle sha256 {file_sha[:16]}... differs from the job's "
                                      f"{expected_sha256[:16]}...", kind="sha256_mismatch")
-            _step("install:verified")
+            state_step("install:verified")
             # 2. room for it (a move needs none)
             need = 0 if staged is not None else src.stat().st_size
             self._check_space(st, slot, need)
@@ -140,13 +140,13 @@ class Install:
             try:
                 self._write(st, "installing")
             except OSError as e:  # nothing changed: state.json is the old one
-                raise _io_refusal(e, f"cannot write {STATE_NAME}") from None
+                raise io_refusal(e, f"cannot write {STATE_NAME}") from None
             dst = self.bundle_path(slot)
             try:
                 if dst.exists():
                     dst.unlink()  # frees its space before the copy (it is no longer referenced)
                     durable.fsync_dir(dst.parent)
-                    _step("install:reclaimed")
+                    state_step("install:reclaimed")
                 if staged is not None:
                     os.replace(staged, dst)
                     durable.fsync_dir(staged.parent)
@@ -157,7 +157,7 @@ class Install:
                                              kind="hash_mismatch")
                 else:
                     self._copy_durably(src, dst, file_sha)
-                _step("install:copy_renamed")
+                state_step("install:copy_renamed")
                 # 4. trial: the new slot is on disk; the primary is still the old one
                 st = self._read()
                 self._set(st, slot, "trial", "install", f"installed by job {job_id}", job_id)
@@ -170,7 +170,7 @@ class Install:
             except BaseException as e:
                 self._abort_install(slot, job_id, e)
                 if isinstance(e, OSError):
-                    raise _io_refusal(e, f"cannot write the bundle into slot {slot}") from None
+                    raise io_refusal(e, f"cannot write the bundle into slot {slot}") from None
                 raise
             log.info("job %s: %s installed in slot %s, in trial", job_id, model, slot)
             return slot
@@ -209,7 +209,7 @@ class Install:
         tmp = dst.with_name(dst.name + ".tmp")
         try:
             with open(tmp, "wb") as f:
-                while chunk := stream.read(_CHUNK):
+                while chunk := stream.read(CHUNK):
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
@@ -217,7 +217,7 @@ class Install:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             dst.unlink(missing_ok=True)
-            raise _io_refusal(e, f"cannot stage the bundle in {dst.parent}") from None
+            raise io_refusal(e, f"cannot stage the bundle in {dst.parent}") from None
 
     @staticmethod
     def _copy_durably(src: Path, dst: Path, want_sha: str) -> None:
@@ -226,16 +226,16 @@ class Install:
         try:
             h = hashlib.sha256()
             with open(src, "rb") as sf, open(tmp, "wb") as df:
-                while chunk := sf.read(_CHUNK):
+                while chunk := sf.read(CHUNK):
                     h.update(chunk)
                     df.write(chunk)
                 df.flush()
-                _step("install:copy_written")
+                state_step("install:copy_written")
                 os.fsync(df.fileno())
             if h.hexdigest() != want_sha:
                 raise InstallRefused(f"{src} changed between verification and copy",
                                      kind="hash_mismatch")
-            _step("install:copy_synced")
+            state_step("install:copy_synced")
             os.replace(tmp, dst)
         except BaseException:
             tmp.unlink(missing_ok=True)

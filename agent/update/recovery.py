@@ -15,7 +15,7 @@ from tandoor_contract import durable
 
 from . import record
 from .slot_state import (
-    PREV_NAME, SLOTS, STATE_NAME, StateCorrupt, _check_state, _empty_state
+    PREV_NAME, SLOTS, STATE_NAME, StateCorrupt, check_state, empty_state
 )
 
 log = logging.getLogger("tandoor.slots")
@@ -73,7 +73,7 @@ class Recovery:
         try:
             if st is None:
                 return None
-            _check_state(st)
+            check_state(st)
         except ValueError:
             return None
         p = st["primary"]
@@ -156,7 +156,7 @@ class Recovery:
         then signing time) was committed when the newer one was installed: it becomes primary and
         the newer one, which might never have passed its gate, is marked bad. Returns the state
         and how the primary was chosen."""
-        st = _empty_state()
+        st = empty_state()
         self._history_mark = 0
         valid: dict[str, dict[str, Any]] = {}
         journal_shas = {e["sha256"] for e in self._journal() if e.get("outcome") == "committed"}

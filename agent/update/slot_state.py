@@ -27,7 +27,7 @@ RESERVE_NAME = ".reserve"     # a file the agent keeps so that a rollback can be
 RESERVE_BYTES = 64 * 1024     # a state.json of JOBS_MAX jobs and HISTORY_MAX transitions is ~20 KiB
 #: writes that undo something: they may spend the reserve when the disk is full
 UNDO_WRITES = frozenset({"rollback", "install_failed", "recover", "restore", "rebuild", "boot", "boot_rollback"})
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 
 # (from, to) -> the operations allowed to make that change. The one table of legal moves.
 TRANSITIONS: dict[tuple[str, str], frozenset[str]] = {
@@ -47,11 +47,11 @@ SourceLike = Union[str, "os.PathLike[str]", IO[bytes]]
 
 # Failpoint for crash tests: called with the name of each step (e.g. "install:copy_synced",
 # "commit:replaced"). A test process sets slot_state._hook to stop or kill itself there (the
-# store and its install and recovery halves all call _step). None in production.
+# store and its install and recovery halves all call state_step). None in production.
 _hook: Callable[[str], None] | None = None
 
 
-def _step(name: str) -> None:
+def state_step(name: str) -> None:
     if _hook is not None:
         _hook(name)
 
@@ -97,7 +97,7 @@ class StateCorrupt(SlotError):
     kind = "state_corrupt"
 
 
-_BUNDLE_KINDS = {
+BUNDLE_KINDS = {
     hmod.NotABundle: "not_a_bundle", hmod.UnsafeMember: "unsafe_member",
     hmod.HashMismatch: "hash_mismatch", hmod.MissingMember: "missing_member",
     hmod.BadSignature: "bad_signature", hmod.UnsignedBundle: "unsigned",
@@ -109,12 +109,12 @@ _BUNDLE_KINDS = {
 io_kind = durable.io_kind
 
 
-def _io_refusal(err: OSError, what: str) -> InstallRefused:
+def io_refusal(err: OSError, what: str) -> InstallRefused:
     return InstallRefused(f"{what}: {err.strerror or err}; the running model is untouched", kind=io_kind(err))
 
 
 def refusal_from(err: hmod.BundleError) -> InstallRefused:
-    kind = next((k for cls, k in _BUNDLE_KINDS.items() if isinstance(err, cls)), "bundle_error")
+    kind = next((k for cls, k in BUNDLE_KINDS.items() if isinstance(err, cls)), "bundle_error")
     return InstallRefused(f"bundle refused: {err}", kind=kind, exit_code=err.exit_code)
 
 
@@ -124,12 +124,12 @@ def _empty_slot(name: str) -> dict[str, Any]:
             "installed_at": None, "job_id": None, "reason": None, "verified_by": None, "signer_key": None}
 
 
-def _empty_state() -> dict[str, Any]:
+def empty_state() -> dict[str, Any]:
     return {"version": STATE_VERSION, "primary": None, "slots": {s: _empty_slot(s) for s in SLOTS},
             "trial": None, "jobs": {}, "history": []}
 
 
-def _check_state(st: Any) -> None:
+def check_state(st: Any) -> None:
     """Schema, checksum and invariants; raises ValueError naming the first problem."""
     if not isinstance(st, dict):
         raise ValueError("not a JSON object")

@@ -82,7 +82,7 @@ from .recovery import Recovery
 from .slot_state import (  # noqa: F401  (re-exported: the store's vocabulary)
     BUNDLE_NAME, Busy, DEFAULT_RESERVE, HISTORY_MAX, InstallRefused, JOBS_MAX, RESERVE_BYTES,
     RESERVE_NAME, SLOTS, SLOT_STATES, STATE_NAME, STATE_VERSION, SlotError, StateCorrupt, TRANSITIONS,
-    TransitionError, UNDO_WRITES, _BUNDLE_KINDS, _check_state, _empty_state, _step, io_kind,
+    TransitionError, UNDO_WRITES, BUNDLE_KINDS, check_state, empty_state, state_step, io_kind,
     refusal_from
 )
 
@@ -180,7 +180,7 @@ class SlotStore(Install, Recovery):
             st = record.read(self.state_path)
             if st is None:
                 raise FileNotFoundError(self.state_path)
-            _check_state(st)
+            check_state(st)
         except (FileNotFoundError, ValueError):
             with self._locked():
                 st = self._read()
@@ -193,7 +193,7 @@ class SlotStore(Install, Recovery):
         try:
             st = record.read(self.state_path)
             if st is not None:
-                _check_state(st)
+                check_state(st)
         except ValueError as e:  # record.Damaged (unreadable, not JSON, checksum) or a broken invariant
             st = self._recover_corrupt(str(e))
         if st is None:
@@ -202,7 +202,7 @@ class SlotStore(Install, Recovery):
         return st
 
     def _initial_state(self) -> dict[str, Any]:
-        st = _empty_state()
+        st = empty_state()
         if any(self.bundle_path(s).exists() for s in SLOTS):
             self._note("state.json is missing but slot bundles exist: rebuilt the state from disk")
             st, how = self._rebuild_from_disk("state.json was missing")
@@ -286,12 +286,12 @@ class SlotStore(Install, Recovery):
         (UNDO_WRITES) may spend the reserve when the disk is full: a rollback must never be
         what a full disk prevents."""
         st.pop(record.CHECKSUM, None)  # the one it was read with; record.write stamps a new one
-        _check_state(st)
+        check_state(st)
         st["history"] = st["history"][-HISTORY_MAX:]
         if len(st["jobs"]) > JOBS_MAX:
             for old in sorted(st["jobs"], key=lambda j: st["jobs"][j].get("at") or "")[:len(st["jobs"]) - JOBS_MAX]:
                 del st["jobs"][old]
-        step = lambda name: _step(f"{what}:{name}")  # noqa: E731
+        step = lambda name: state_step(f"{what}:{name}")  # noqa: E731
         try:
             record.write(self.state_path, st, step)
         except OSError as e:
@@ -346,7 +346,7 @@ class SlotStore(Install, Recovery):
             if slot is not None and slot != trial["slot"]:
                 raise TransitionError(f"slot {slot} is not in trial (slot {trial['slot']} is)")
             s = trial["slot"]
-            _step("commit:begin")
+            state_step("commit:begin")
             self._set(st, s, "good", "commit", reason, trial.get("job_id"))
             st["primary"] = s
             st["trial"] = None

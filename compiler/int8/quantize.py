@@ -316,7 +316,7 @@ def quantize_model(model: str | Path, out: str | Path, *,
     if count < MIN_SAMPLES:
         raise CompileError(f"{count} calibration sample(s); quantization needs at least {MIN_SAMPLES} "
                            "(100-500 frames like the deployment's are usual): give more images or --images N")
-    raw = frontend._read_model(Path(model))
+    raw = frontend.read_model(Path(model))
     already = quantized_nodes(raw)
     if already:
         ops = ", ".join(f"{n} {k}" for k, n in sorted(already.items()))

@@ -176,9 +176,9 @@ def region_as_module(func: relax.Function, lift_weights: bool = False):
     With ``lift_weights`` its constants become trailing parameters of ``main`` and the function
     returns (module, [their values]): the compiled fallback then holds no weights, and the bundle
     stores them once (mostly as byte ranges of the order's own weights blob)."""
-    from .partition import _plain
+    from .partition import plain_calls
 
-    main = _plain(func).with_attr("global_symbol", "main")
+    main = plain_calls(func).with_attr("global_symbol", "main")
     mod = tvm.IRModule({"main": main})
     mod = relax.transform.LambdaLift()(mod)
     mod = relax.transform.InlinePrivateFunctions()(mod)
@@ -192,15 +192,15 @@ def _int8_kernels(mod: tvm.IRModule) -> tvm.IRModule:
     """A quantized conv2d/dense's float kernel -> dequantize(its int8 codes): the fallback then
     takes the order's own int8 bytes as its parameters (the bundle holds INT8 weights once) and
     dequantizes them once at load (LiftTransformParams), computing what it computed before."""
-    from .passes import _bind, _op_name, _rewrite
+    from .passes import bind_params, op_name, rewrite_calls
 
     def rewrite(call, m):
-        name = _op_name(call)
+        name = op_name(call)
         if name not in ("relax.nn.conv2d", "relax.matmul") or not isinstance(call.args[1], tvm.ir.GenericConst):
             return None
         x = call.args[0]
         x = m.lookup_binding(x) if isinstance(x, relax.Var) and m.lookup_binding(x) is not None else x
-        if _op_name(x) != "relax.dequantize":
+        if op_name(x) != "relax.dequantize":
             return None
         w = call.args[1].value.numpy()
         got = acl.weight_grid(w if name == "relax.nn.conv2d" else w.T, 0)
@@ -212,11 +212,11 @@ def _int8_kernels(mod: tvm.IRModule) -> tvm.IRModule:
             codes = codes.T
         scale = np.asarray(q.scale, np.float32) if q.axis is not None else np.float32(q.scale[0])
         zero = np.zeros(np.shape(scale), np.int8)
-        kernel = _bind(m, relax.op.dequantize(relax.const(np.ascontiguousarray(codes)), relax.const(scale),
+        kernel = bind_params(m, relax.op.dequantize(relax.const(np.ascontiguousarray(codes)), relax.const(scale),
                                               relax.const(zero), axis=axis, out_dtype="float32"))
         return relax.Call(call.op, [call.args[0], kernel], call.attrs)
 
-    return _rewrite(mod, rewrite)
+    return rewrite_calls(mod, rewrite)
 
 
 def _lift_constants(mod: tvm.IRModule):

@@ -170,10 +170,10 @@ def model_tvm_us(func: relax.Function, arch: str) -> float:
 
 def _region_kernels(func: relax.Function) -> list[tuple[list[relax.Call], int]]:
     """A merged region's composites as kernels: (op calls, bytes read and written)."""
-    from .partition import _local_composites, calls as _calls
+    from .partition import local_composites, calls as _calls
 
     out = []
-    for comp in _local_composites(func):
+    for comp in local_composites(func):
         calls = _calls(comp)
         nbytes = sum(_tensor_bytes(p.ty) for p in comp.params) + _tensor_bytes(comp.ret_ty if hasattr(comp, "ret_ty") else calls[-1].ty)
         seen = set()

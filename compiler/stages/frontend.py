@@ -59,7 +59,7 @@ def parse_input_specs(specs: list[str] | tuple[str, ...]) -> dict[str, list[int]
     return out
 
 
-def _read_model(path: Path, ctx: normalise.Context | None = None) -> onnx.ModelProto:
+def read_model(path: Path, ctx: normalise.Context | None = None) -> onnx.ModelProto:
     """The model read, its nodes sorted and IR-3 weights that are not inputs accepted
     (normalise.BEFORE_CHECK: the checker refuses both), and checked; a refusal quotes onnx's
     whole message. A file the checker refuses for any other reason but onnxruntime runs is
@@ -107,7 +107,7 @@ def load(path: str | Path, input_specs: list[str] | tuple[str, ...] = ()) -> Loa
     pinned: what TVM imports and the golden pairs run on."""
     path = Path(path)
     ctx = normalise.Context(path, parse_input_specs(input_specs))
-    model = _read_model(path, ctx)
+    model = read_model(path, ctx)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     folded = normalise.normalise(model, ctx)
     inits = {i.name for i in folded.graph.initializer}

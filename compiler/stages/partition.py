@@ -103,7 +103,7 @@ def partition(mod: tvm.IRModule, model_name: str, keep=None) -> PartitionResult:
     for k, name in enumerate(order):
         func = mod[name]
         composites, ops = [], []
-        for f in _local_composites(func):
+        for f in local_composites(func):
             composites.append(str(f.attrs["Composite"]))
             ops += [c.op.name for c in calls(f)]
         symbol = f"{prefix}_acl_{k}"
@@ -139,7 +139,7 @@ def _all_calls(func: relax.Function) -> list[relax.Call]:
     return out
 
 
-def _local_composites(func: relax.Function) -> list[relax.Function]:
+def local_composites(func: relax.Function) -> list[relax.Function]:
     """Composite functions inside a merged region, in binding order."""
     found: list[relax.Function] = []
     local: dict = {}
@@ -166,7 +166,7 @@ def _apply(mod: tvm.IRModule, parts: list[Partition], renames: dict[str, str]) -
             p.func = func
             mod[gv] = func
         else:
-            mod[gv] = _plain(func)
+            mod[gv] = plain_calls(func)
             inline_any = True
     if inline_any:
         # region -> main, then its composite closures -> lifted -> main
@@ -179,7 +179,7 @@ def _apply(mod: tvm.IRModule, parts: list[Partition], renames: dict[str, str]) -
     return mod
 
 
-def _plain(func: relax.Function) -> relax.Function:
+def plain_calls(func: relax.Function) -> relax.Function:
     """A refused region as an ordinary private function whose composites are ordinary closures."""
     func = func.without_attr("Codegen").without_attr("global_symbol")
 

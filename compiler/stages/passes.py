@@ -48,7 +48,7 @@ def _register_layout_rules() -> None:
     _LAYOUT_RULES_REGISTERED = True
 
 
-def _op_name(e) -> str | None:
+def op_name(e) -> str | None:
     return e.op.name if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None
 
 
@@ -61,7 +61,7 @@ def _shape(e) -> list[int] | None:
 
 def _perm(e) -> list[int] | None:
     """The axes of a permute_dims call, else None."""
-    if _op_name(e) != "relax.permute_dims" or e.attrs.axes is None:
+    if op_name(e) != "relax.permute_dims" or e.attrs.axes is None:
         return None
     return [int(a) for a in e.attrs.axes]
 
@@ -81,7 +81,7 @@ def count_layout_transposes(mod: tvm.IRModule) -> int:
 
 # --- stages -------------------------------------------------------------------------------------
 
-def _rewrite(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
+def rewrite_calls(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
     """Apply ``rewrite(call, mutator) -> expr | None`` to every op call of main, bottom-up."""
 
     @relax.expr_functor.mutator
@@ -101,7 +101,7 @@ def _rewrite(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
     return relax.transform.Normalize()(mod)
 
 
-def _bind(mutator, expr):
+def bind_params(mutator, expr):
     """Emit ``expr`` as a binding of its own (a var), so two consumers share one value."""
     return mutator.builder_.emit(expr)
 
@@ -111,7 +111,7 @@ def split_to_slices(mod: tvm.IRModule) -> tvm.IRModule:
     slices of one tensor (Arm NN's StridedSlice, ONNX Slice), and TVM fuses them the same."""
 
     def rewrite(call, m):
-        if _op_name(call) != "relax.split":
+        if op_name(call) != "relax.split":
             return None
         shape = _shape(call.args[0])
         if shape is None:
@@ -127,11 +127,11 @@ def split_to_slices(mod: tvm.IRModule) -> tvm.IRModule:
             cuts = [int(i) for i in ios]
         bounds = [0] + cuts + [shape[axis]]
         x = call.args[0]
-        parts = [_bind(m, relax.op.strided_slice(x, [axis], [lo], [hi], [1]))
+        parts = [bind_params(m, relax.op.strided_slice(x, [axis], [lo], [hi], [1]))
                  for lo, hi in zip(bounds[:-1], bounds[1:])]
         return relax.Tuple(parts)
 
-    return _rewrite(mod, rewrite)
+    return rewrite_calls(mod, rewrite)
 
 
 def batch_norm_to_affine(mod: tvm.IRModule) -> tvm.IRModule:
@@ -139,7 +139,7 @@ def batch_norm_to_affine(mod: tvm.IRModule) -> tvm.IRModule:
     elementwise layers, or that fold into a neighbouring conv's bias)."""
 
     def rewrite(call, m):
-        if _op_name(call) != "relax.nn.batch_norm":
+        if op_name(call) != "relax.nn.batch_norm":
             return None
         x, *params = call.args
         if not all(isinstance(p, tvm.ir.GenericConst) for p in params):
@@ -155,12 +155,12 @@ def batch_norm_to_affine(mod: tvm.IRModule) -> tvm.IRModule:
         bshape = [1] * len(shape)
         bshape[axis] = shape[axis]
         dt = str(x.ty.dtype)
-        y = _bind(m, relax.op.multiply(x, relax.const(scale.reshape(bshape).astype(dt))))
-        y = _bind(m, relax.op.add(y, relax.const(shift.reshape(bshape).astype(dt))))
+        y = bind_params(m, relax.op.multiply(x, relax.const(scale.reshape(bshape).astype(dt))))
+        y = bind_params(m, relax.op.add(y, relax.const(shift.reshape(bshape).astype(dt))))
         # batch_norm returns (y, running mean, running var); inference uses only y
         return relax.Tuple([y, params[2], params[3]])
 
-    return _rewrite(mod, rewrite)
+    return rewrite_calls(mod, rewrite)
 
 
 _COMMUTATIVE = {"relax.add", "relax.multiply", "relax.maximum", "relax.minimum"}
@@ -171,17 +171,17 @@ def constants_right(mod: tvm.IRModule) -> tvm.IRModule:
     layout inference follows the first operand, and a constant there sends x back to NCHW."""
 
     def rewrite(call, m):
-        if (_op_name(call) in _COMMUTATIVE and len(call.args) == 2 and isinstance(call.args[0], tvm.ir.GenericConst)
+        if (op_name(call) in _COMMUTATIVE and len(call.args) == 2 and isinstance(call.args[0], tvm.ir.GenericConst)
                 and not isinstance(call.args[1], tvm.ir.GenericConst)):
             return relax.Call(call.op, [call.args[1], call.args[0]], call.attrs)
         return None
 
-    return _rewrite(mod, rewrite)
+    return rewrite_calls(mod, rewrite)
 
 
 def power_to_multiply(mod: tvm.IRModule) -> tvm.IRModule:
     def rewrite(call, m):
-        if _op_name(call) != "relax.power" or not isinstance(call.args[1], tvm.ir.GenericConst):
+        if op_name(call) != "relax.power" or not isinstance(call.args[1], tvm.ir.GenericConst):
             return None
         e = call.args[1].value.numpy()
         if e.size != 1 or float(e.reshape(())) != 2.0:
@@ -189,7 +189,7 @@ def power_to_multiply(mod: tvm.IRModule) -> tvm.IRModule:
         x = call.args[0]
         return relax.op.multiply(x, x)
 
-    return _rewrite(mod, rewrite)
+    return rewrite_calls(mod, rewrite)
 
 
 def _ints(v) -> list[int]:
@@ -227,21 +227,21 @@ def nhwc_layout_ops(mod: tvm.IRModule) -> tvm.IRModule:
     cancel_transposes then removes where it meets another."""
 
     def rewrite(call, m):
-        name = _op_name(call)
+        name = op_name(call)
         if name in _REDUCE and len(_shape(call.args[0]) or []) == 4 and call.attrs.axis is not None \
                 and sorted(int(a) % 4 for a in call.attrs.axis) == [2, 3]:   # GlobalAveragePool/GlobalMaxPool
-            x = _bind(m, relax.op.permute_dims(call.args[0], TO_NHWC))
+            x = bind_params(m, relax.op.permute_dims(call.args[0], TO_NHWC))
             keep = bool(call.attrs.keepdims)
-            y = _bind(m, _REDUCE[name](x, [1, 2], keep))
+            y = bind_params(m, _REDUCE[name](x, [1, 2], keep))
             return relax.op.permute_dims(y, TO_NCHW) if keep else y
         make = _NHWC_REBUILD.get(name)
         if make is None or str(call.attrs.layout) != "NCHW" or len(_shape(call.args[0]) or []) != 4:
             return None
-        x = _bind(m, relax.op.permute_dims(call.args[0], TO_NHWC))
-        y = _bind(m, make(call, x))
+        x = bind_params(m, relax.op.permute_dims(call.args[0], TO_NHWC))
+        y = bind_params(m, make(call, x))
         return relax.op.permute_dims(y, TO_NCHW)
 
-    return _rewrite(mod, rewrite)
+    return rewrite_calls(mod, rewrite)
 
 
 # Ops through which a layout transpose moves unchanged: elementwise on one tensor (a scalar
@@ -289,7 +289,7 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
     transpose that follows. Repeated until nothing changes."""
 
     def rewrite(call, m):
-        name = _op_name(call)
+        name = op_name(call)
         if name == "relax.permute_dims":
             outer = _perm(call)
             inner_e = call.args[0]
@@ -326,7 +326,7 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
                 elif c.size != 1:
                     return None
                 new_args = [xa, relax.const(c)] if k == 0 else [relax.const(c), xb]
-            return relax.op.permute_dims(_bind(m, relax.Call(call.op, new_args, call.attrs)), p)
+            return relax.op.permute_dims(bind_params(m, relax.Call(call.op, new_args, call.attrs)), p)
         if name == "relax.concat" and isinstance(call.args[0], relax.Tuple):
             parts = [unpermuted(f) for f in call.args[0].fields]
             perms = {tuple(q) for _, q in parts if q is not None}
@@ -335,7 +335,7 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
             p = list(perms.pop())
             axis = p[int(call.attrs.axis) % len(p)]
             inner = relax.op.concat([x for x, _ in parts], axis=axis)
-            return relax.op.permute_dims(_bind(m, inner), p)
+            return relax.op.permute_dims(bind_params(m, inner), p)
         x, p = unpermuted(call.args[0])
         if x is None:
             return None
@@ -345,7 +345,7 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
             rest = [p[i] for i in range(len(p)) if p[i] not in axes]
             if not keep and rest != sorted(rest):
                 return None
-            inner = _bind(m, _REDUCE[name](x, axes, keep))
+            inner = bind_params(m, _REDUCE[name](x, axes, keep))
             return relax.op.permute_dims(inner, p) if keep else inner
         if name == "relax.strided_slice":
             sl = _slice_args(call)
@@ -369,10 +369,10 @@ def cancel_transposes(mod: tvm.IRModule) -> tvm.IRModule:
                                     float(call.attrs.pad_value))
         else:
             return None
-        return relax.op.permute_dims(_bind(m, inner), p)
+        return relax.op.permute_dims(bind_params(m, inner), p)
 
     for _ in range(8):   # a pass moves whole chains; keep it only when it removed transposes
-        new = relax.transform.DeadCodeElimination()(_rewrite(mod, rewrite))
+        new = relax.transform.DeadCodeElimination()(rewrite_calls(mod, rewrite))
         if count_layout_transposes(new) >= count_layout_transposes(mod):
             break
         mod = new
@@ -386,18 +386,18 @@ def transpose_before_dequantize(mod: tvm.IRModule) -> tvm.IRModule:
     transpose)."""
 
     def rewrite(call, m):
-        if _op_name(call) != "relax.permute_dims" or _perm(call) not in LAYOUT_PERMS:
+        if op_name(call) != "relax.permute_dims" or _perm(call) not in LAYOUT_PERMS:
             return None
         inner = call.args[0]
         inner = m.lookup_binding(inner) if isinstance(inner, relax.Var) and m.lookup_binding(inner) is not None else inner
-        if _op_name(inner) != "relax.dequantize" or not all(_is_scalar_const(a) for a in inner.args[1:3]):
+        if op_name(inner) != "relax.dequantize" or not all(_is_scalar_const(a) for a in inner.args[1:3]):
             return None
         p = _perm(call)
-        moved = _bind(m, relax.op.permute_dims(inner.args[0], p))
+        moved = bind_params(m, relax.op.permute_dims(inner.args[0], p))
         axis = int(np.argsort(p)[int(inner.attrs.axis) % len(p)])
         return relax.op.dequantize(moved, inner.args[1], inner.args[2], axis=axis, out_dtype=str(inner.attrs.out_dtype))
 
-    return relax.transform.DeadCodeElimination()(_rewrite(mod, rewrite))
+    return relax.transform.DeadCodeElimination()(rewrite_calls(mod, rewrite))
 
 
 def fold_layout_constants(mod: tvm.IRModule) -> tvm.IRModule:
@@ -407,7 +407,7 @@ def fold_layout_constants(mod: tvm.IRModule) -> tvm.IRModule:
     40 s compile. What it folds afterwards is what numpy is not asked to."""
 
     def rewrite(call, m):
-        name = _op_name(call)
+        name = op_name(call)
         if name not in ("relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze"):
             return None
         x = call.args[0]
@@ -431,7 +431,7 @@ def fold_layout_constants(mod: tvm.IRModule) -> tvm.IRModule:
             out = np.squeeze(a, tuple(int(v) for v in axis) if axis is not None else None)
         return relax.const(np.ascontiguousarray(out), str(a.dtype))
 
-    return relax.transform.DeadCodeElimination()(_rewrite(mod, rewrite))
+    return relax.transform.DeadCodeElimination()(rewrite_calls(mod, rewrite))
 
 
 def optimise(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict]:
@@ -466,11 +466,11 @@ def legalise_for_tvm(mod: tvm.IRModule) -> tvm.IRModule:
     transposes."""
 
     def rewrite(call, m):
-        if _op_name(call) != "relax.nn.conv2d_transpose" or str(call.attrs.data_layout) != "NHWC":
+        if op_name(call) != "relax.nn.conv2d_transpose" or str(call.attrs.data_layout) != "NHWC":
             return None
         a = call.attrs
-        x = _bind(m, relax.op.permute_dims(call.args[0], TO_NCHW))
-        y = _bind(m, relax.op.nn.conv2d_transpose(
+        x = bind_params(m, relax.op.permute_dims(call.args[0], TO_NCHW))
+        y = bind_params(m, relax.op.nn.conv2d_transpose(
             x, call.args[1], strides=[int(s) for s in a.strides], padding=[int(p) for p in a.padding],
             output_padding=[int(p) for p in a.output_padding], dilation=[int(d) for d in a.dilation],
             groups=int(a.groups), data_layout="NCHW", kernel_layout=str(a.kernel_layout), out_layout="NCHW"))
@@ -479,7 +479,7 @@ def legalise_for_tvm(mod: tvm.IRModule) -> tvm.IRModule:
     out = tvm.IRModule({})
     for gv, f in mod.functions.items():
         if isinstance(f, relax.Function):
-            sub = _rewrite(tvm.IRModule({"main": f}), rewrite)
+            sub = rewrite_calls(tvm.IRModule({"main": f}), rewrite)
             out[gv] = sub["main"]
         else:
             out[gv] = f

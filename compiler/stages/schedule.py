@@ -470,7 +470,7 @@ def _injective(sch, b, lanes: int) -> None:
             sch.vectorize(sch.split(piece, [None, v])[1])
 
 
-class _Guarded(ScheduleRule):
+class Guarded(ScheduleRule):
     """A rule of TVM's own (dlight) under the same promise: a failure is 'not applicable'. Its CPU
     Reduction rule raises ScheduleError on some multi-output reductions (BatchNormalization in
     training mode, from onnx's backend tests)."""
@@ -486,8 +486,8 @@ class _Guarded(ScheduleRule):
 
 
 def rules() -> list[ScheduleRule]:
-    return [ConvNHWC(), InnerSpatialReduction(), ReductionPasses(), _Guarded(dl.cpu.GEMV()),
-            _Guarded(dl.cpu.Reduction()), Elementwise()]
+    return [ConvNHWC(), InnerSpatialReduction(), ReductionPasses(), Guarded(dl.cpu.GEMV()),
+            Guarded(dl.cpu.Reduction()), Elementwise()]
 
 
 def rule_name(rule: ScheduleRule) -> str:

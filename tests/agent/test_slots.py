@@ -54,7 +54,7 @@ def assert_consistent(d: Path, pub: Path, expect_sha: str | None = None) -> dict
     """The slot directory is in a committed, serveable state: no trial, nothing installing, the
     primary is good and its bundle opens, verifies and has a lib for this machine."""
     st = json.loads((d / "state.json").read_text())
-    slots._check_state(st)
+    slots.check_state(st)
     assert st["trial"] is None, st
     assert all(s["state"] in ("good", "bad", "empty") for s in st["slots"].values()), st
     assert st["primary"] in ("a", "b"), st
@@ -449,7 +449,7 @@ def test_a_truncated_or_bit_flipped_state_json_goes_back_to_the_previous_state(t
             bad = good[:i] + bytes([good[i] ^ 0x01]) + good[i + 1:]
             st = json.loads(bad)  # still valid JSON with every invariant intact: only the checksum sees it
             st.pop("checksum")
-            slots._check_state(st)
+            slots.check_state(st)
         (store.dir / "state.json").write_bytes(bad)
         fresh = SlotStore(store.dir, trusted_keys=[pub])
         notes = fresh.recover_on_start()

@@ -848,7 +848,7 @@ def test_every_state_and_kind_the_device_sends_is_in_the_contract_tables():
     kinds = set(re.findall(r'kind="([a-z_]+)"', code))
     slots_code = (root / "slots.py").read_text()
     kinds |= set(re.findall(r'InstallRefused\([^)]*kind="([a-z_]+)"', slots_code, re.S))
-    kinds |= set(slots._BUNDLE_KINDS.values())
+    kinds |= set(slots.BUNDLE_KINDS.values())
     kinds |= {"malformed", "stale", "not_supported", "stalled", "io_error"}  # built from variables in jobs.py
     assert kinds <= set(protocol.KINDS), kinds - set(protocol.KINDS)
     kinds |= set(re.findall(r'kind, reason = "([a-z_]+)"', code))

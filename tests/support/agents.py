@@ -239,7 +239,7 @@ def acks(rec: Recorder, dev: str, job: str) -> list[dict]:
 def assert_committed_state(slot_dir: Path, want_sha: str) -> dict:
     """state.json is sound, no trial, and its primary is the bundle ``want_sha``, on disk."""
     st = json.loads((slot_dir / "state.json").read_text())
-    slots._check_state(st)
+    slots.check_state(st)
     assert st["trial"] is None and st["primary"] in ("a", "b"), st
     assert all(s["state"] in ("good", "bad", "empty") for s in st["slots"].values()), st
     assert st["slots"][st["primary"]]["sha256"] == want_sha

@@ -94,7 +94,7 @@ def gpu_pipeline(target: tvm.target.Target, database: Path | None = None, observ
     from tvm.relax.backend.cuda import pipeline as cuda
     from tvm.s_tir import dlight as dl
 
-    from ...stages.schedule import _Guarded
+    from ...stages.schedule import Guarded
 
     # relax's CUDA legalisation ends in dlight's default rules; each guarded here, so that a rule
     # that raises is 'not applicable' and the next one schedules the function (TVM 0.27's GEMV
@@ -105,7 +105,7 @@ def gpu_pipeline(target: tvm.target.Target, database: Path | None = None, observ
             legalize = cuda.legalize_passes(target)[:-1]
             if database is not None:     # tuned functions first; dlight then schedules only the rest
                 legalize.append(relax.transform.MetaScheduleApplyDatabase(str(database)))
-            legalize.append(dl.ApplyDefaultSchedule(*[_Guarded(r) for r in (
+            legalize.append(dl.ApplyDefaultSchedule(*[Guarded(r) for r in (
                 dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())]))
             seq = tvm.transform.Sequential(
                 [relax.transform.CanonicalizeBindings(), relax.transform.FoldConstant()]
