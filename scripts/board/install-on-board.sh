@@ -20,13 +20,18 @@
 # - on an RK3588 (device tree rockchip,rk3588, or TANDOOR_RKNN=1): rknn-toolkit-lite2 into the
 #   venv, the rknn executor's RKNNLite (docs/npu.md), and a word on librknnrt.so when it is
 #   missing (no package registry has it; the agent then runs rknn orders on their ONNX rendering);
+# - on an NVIDIA Jetson: what it found for the agent's GPU path (docs/gpu.md): the L4T release and
+#   its JetPack, the CUDA runtimes, the driver's libcuda.so.1, TVM's libtvm_runtime_cuda.so in the
+#   venv, and one verdict line: whether the agent will run bundles' GPU part, and if not why;
 # Idempotent. scripts/board/build.sh runs this same script inside the emulated boards.
 # Env: TANDOOR_VENV; TANDOOR_WHEELHOUSE=DIR installs from the wheels in DIR only (a board
 #      without internet; scripts/board/build.sh shows how to `pip download` them elsewhere);
 #      TANDOOR_GPUACC=1|0 installs the GpuAcc backend or not, whatever the Mali detection says;
 #      TANDOOR_DISTRO=CODENAME overrides /etc/os-release's VERSION_CODENAME (a derivative);
-#      TANDOOR_RKNN=1|0 installs the RK3588 NPU's Python API or not, whatever the device tree says.
+#      TANDOOR_RKNN=1|0 installs the RK3588 NPU's Python API or not, whatever the device tree says;
+#      TANDOOR_BOARD_ROOT=DIR the GPU findings read DIR's files (default /; the venv: DIR$TANDOOR_VENV).
 #   --print-packages [CODENAME]  print the packages for CODENAME (default: this system's) and exit
+#   --print-gpu                  print the GPU findings (no root needed) and exit
 #   --service-only               only the systemd part (after the unit file changed)
 set -euo pipefail
 SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -129,6 +134,126 @@ mali_gpu() {
   return 0
 }
 
+# --- NVIDIA Jetson: what the agent's GPU path needs (agent/run/gpu.py, docs/gpu.md) -------------
+# The agent runs a bundle's GPU part when NVIDIA's driver libcuda.so.1 serves CUDA 13, the GPU's SM
+# is one the bundle has cubins for, and TVM's libtvm_runtime_cuda.so (apache-tvm 0.27's wheel) loads
+# with libcudart.so.13; else it runs the CPU library and says `gpu: unavailable (why)`. gpu_report
+# reads the same facts from files, before any bundle exists. Everything is read under BOARD_ROOT
+# (TANDOOR_BOARD_ROOT, default /: a rootfs looked at from outside, or the tests' fake trees).
+BOARD_ROOT="${TANDOOR_BOARD_ROOT:-/}"
+# L4T major release -> "JetPack|CUDA major its driver serves" (JetPack 6's CUDA upgrades stay 12.x)
+declare -A JETPACKS=([35]="5|11" [36]="6|12" [38]="7|13")
+# device-tree SoC -> "module|its GPU's SM"
+declare -A TEGRAS=([tegra194]="Xavier|sm_72" [tegra234]="Orin|sm_87" [tegra264]="Thor|sm_110")
+# SM -> the aarch64 target that builds cubins for it (compiler/targets.py; tests check they agree)
+declare -A GPU_TARGETS=([sm_87]=jetson-orin)
+NEED_CUDA=13    # libtvm_runtime_cuda.so of TVM 0.27 links libcudart.so.13 (contract/gpu.py RUNTIME)
+CUDART_DIRS=(/usr/local/cuda/lib64 /usr/local/cuda-*/lib64 /usr/local/cuda/targets/aarch64-linux/lib
+             /usr/local/cuda-*/targets/aarch64-linux/lib /usr/lib/aarch64-linux-gnu)
+DRIVER_DIRS=(/usr/lib/aarch64-linux-gnu/nvidia /usr/lib/aarch64-linux-gnu/tegra /usr/lib/aarch64-linux-gnu /usr/lib64)
+
+# The device tree's compatible strings under BOARD_ROOT, one a line.
+dt_compatible() {
+  local f
+  for f in proc/device-tree/compatible sys/firmware/devicetree/base/compatible; do
+    [[ -r "${BOARD_ROOT%/}/$f" ]] && { tr '\0' '\n' < "${BOARD_ROOT%/}/$f"; return; }
+  done
+  return 0
+}
+
+# The agent venv's site-packages under BOARD_ROOT, or nothing.
+venv_site() {
+  local d
+  for d in "${BOARD_ROOT%/}$VENV"/lib/python3*/site-packages; do [[ -d "$d" ]] && { echo "$d"; return; }; done
+  return 0
+}
+
+# Prints the GPU findings, one a line, the last `verdict: ...`; never fails.
+gpu_report() {
+  local r="${BOARD_ROOT%/}" rel="" l4t="" jp="" jp_cuda="" soc="" module="" sm="" compat d f major
+  local site="" driver="" tvm_ver="" cuda_json="" cudart13=""
+  local -a why=() found=()
+  local -A cudart=()
+  if [[ -r "$r/etc/nv_tegra_release" ]]; then
+    rel="$(head -n1 "$r/etc/nv_tegra_release")"
+    # "# R36 (release), REVISION: 4.3, GCID: ..." -> 36.4.3
+    l4t="$(sed -n 's/^# R\([0-9]*\) (release), REVISION: \([0-9.]*\).*/\1.\2/p' <<< "$rel")"
+  fi
+  compat="$(dt_compatible | grep -m1 '^nvidia,tegra' || true)"
+  if [[ -z "$rel" && -z "$compat" ]]; then
+    # not a Jetson: a discrete NVIDIA GPU on an arm64 server would still have the driver
+    for d in "${DRIVER_DIRS[@]}"; do [[ -e "$r$d/libcuda.so.1" ]] && driver="$d/libcuda.so.1" && break; done
+    if [[ -z "$driver" ]]; then
+      echo "GPU: no NVIDIA Jetson or driver found: bundles run their CPU library"
+      return 0
+    fi
+    found+=("GPU: not a Jetson; NVIDIA driver $driver")
+  else
+    soc="${compat#nvidia,}"
+    if [[ -n "${TEGRAS[$soc]:-}" ]]; then module="${TEGRAS[$soc]%|*}" sm="${TEGRAS[$soc]#*|}"; fi
+    if [[ -n "$l4t" && -n "${JETPACKS[${l4t%%.*}]:-}" ]]; then
+      jp="${JETPACKS[${l4t%%.*}]%|*}" jp_cuda="${JETPACKS[${l4t%%.*}]#*|}"
+    fi
+    f="GPU: NVIDIA Jetson${module:+ $module}${compat:+ (device tree $compat${sm:+, $sm})}: L4T ${l4t:-unknown}"
+    found+=("$f${rel:+ (/etc/nv_tegra_release)}, JetPack ${jp:-unknown}${jp_cuda:+ (its driver serves CUDA $jp_cuda)}")
+    for d in "${DRIVER_DIRS[@]}"; do [[ -e "$r$d/libcuda.so.1" ]] && driver="$d/libcuda.so.1" && break; done
+    found+=("GPU: driver: ${driver:-libcuda.so.1 not found (in ${DRIVER_DIRS[*]})}")
+  fi
+  site="$(venv_site)"
+  # the CUDA runtimes: the system's, and PyPI's nvidia-cuda-runtime in the venv (the agent looks there too)
+  for d in "${CUDART_DIRS[@]}" "${site#"$r"}/nvidia/cu13/lib"; do
+    for f in "$r"$d/libcudart.so.[0-9]*; do
+      [[ -e "$f" ]] || continue
+      major="${f##*/libcudart.so.}" major="${major%%.*}"
+      [[ -n "${cudart[$major]:-}" ]] || cudart[$major]="${f#"$r"}"
+    done
+  done
+  if [[ -r "$r/usr/local/cuda/version.json" ]]; then
+    cuda_json="$(tr -d '\n' < "$r/usr/local/cuda/version.json" | grep -o '"cuda"[[:space:]]*:[[:space:]]*{[^}]*}' |
+                 grep -o '"version"[[:space:]]*:[[:space:]]*"[^"]*"' | sed 's/.*"\([^"]*\)"$/\1/' || true)"
+  fi
+  local runtimes=""
+  for major in $(printf '%s\n' "${!cudart[@]}" | sort -n); do runtimes+="${runtimes:+, }libcudart.so.$major (${cudart[$major]})"; done
+  found+=("GPU: CUDA runtime: ${runtimes:-no libcudart.so found}${cuda_json:+; /usr/local/cuda/version.json: CUDA $cuda_json}")
+  cudart13="${cudart[$NEED_CUDA]:-}"
+  if [[ -z "$site" ]]; then
+    found+=("GPU: TVM's CUDA runtime: no agent venv at $VENV yet")
+  else
+    f="$(compgen -G "$site/apache_tvm-*.dist-info" | head -n1 || true)"
+    [[ -n "$f" ]] && tvm_ver="${f##*/apache_tvm-}" tvm_ver="${tvm_ver%.dist-info}"
+    if [[ -e "$site/tvm/lib/libtvm_runtime_cuda.so" ]]; then
+      found+=("GPU: TVM's CUDA runtime: libtvm_runtime_cuda.so in $VENV (apache-tvm ${tvm_ver:-?})")
+    else
+      found+=("GPU: TVM's CUDA runtime: libtvm_runtime_cuda.so not in $VENV's tvm (apache-tvm ${tvm_ver:-not installed})")
+    fi
+  fi
+  printf '%s\n' "${found[@]}"
+  # the verdict: what the agent's probe (agent/run/gpu.py) will refuse, in its order
+  [[ -n "$driver" ]] || why+=("no NVIDIA driver libcuda.so.1 (JetPack's nvidia-l4t-cuda package)")
+  if [[ -n "$jp_cuda" ]] && ((jp_cuda < NEED_CUDA)); then
+    why+=("JetPack $jp's driver serves CUDA $jp_cuda; TVM 0.27's CUDA runtime needs CUDA $NEED_CUDA and libcudart.so.$NEED_CUDA (JetPack 7.x): flash JetPack 7 to use the GPU")
+  fi
+  if [[ -n "$sm" && -z "${GPU_TARGETS[$sm]:-}" ]]; then
+    why+=("this GPU is $sm; no Tandoor target builds cubins for it (${!GPU_TARGETS[*]}: ${GPU_TARGETS[*]})")
+  fi
+  if [[ -z "$cudart13" && ! ( -n "$jp_cuda" && jp_cuda -lt NEED_CUDA ) ]]; then
+    why+=("no libcudart.so.$NEED_CUDA: install the CUDA $NEED_CUDA runtime (JetPack 7's, or pip install nvidia-cuda-runtime into $VENV)")
+  fi
+  if [[ -n "$site" && ! -e "$site/tvm/lib/libtvm_runtime_cuda.so" ]]; then
+    why+=("no libtvm_runtime_cuda.so: reinstall the agent (its apache-tvm 0.27 wheel has it)")
+  fi
+  local v="" w
+  for w in "${why[@]}"; do v+="${v:+; }$w"; done
+  if [[ -n "$v" ]]; then
+    echo "GPU: verdict: the agent skips bundles' GPU part and runs their CPU library (gpu: unavailable): $v; see docs/gpu.md"
+  elif [[ -z "$jp_cuda" || -z "$sm" ]]; then   # the driver's CUDA or the SM unknown from files
+    echo "GPU: verdict: the agent tries bundles' GPU part at load (it needs the driver to serve CUDA $NEED_CUDA and a GPU" \
+         "the bundle has cubins for); tandoor-agent status says gpu: unavailable (why) if not"
+  else
+    echo "GPU: verdict: the agent runs the GPU part of bundles built with --target ${GPU_TARGETS[$sm]} ($sm), after checking it on the bundle's golden pair at load"
+  fi
+}
+
 # choose CODENAME: PKGS and CHOSEN (one line: what was chosen and why)
 choose() {
   local codename="$1" entry abi gpu why
@@ -154,9 +279,10 @@ choose() {
 }
 
 if [[ "${1:-}" == --print-packages ]]; then choose "${2:-$(this_codename)}"; echo "${PKGS[*]}"; exit 0; fi
+if [[ "${1:-}" == --print-gpu ]]; then gpu_report || true; exit 0; fi
 [[ $(id -u) -eq 0 ]] || { echo "run as root (sudo $0)" >&2; exit 1; }
 if [[ "${1:-}" == --service-only ]]; then install_service; exit 0; fi
-[[ $# -eq 0 ]] || { echo "usage: $0 [--print-packages [CODENAME] | --service-only]" >&2; exit 2; }
+[[ $# -eq 0 ]] || { echo "usage: $0 [--print-packages [CODENAME] | --print-gpu | --service-only]" >&2; exit 2; }
 [[ "$(uname -m)" == aarch64 ]] || say "warning: this is $(uname -m), not aarch64"
 choose "$(this_codename)"
 say "packages for $CHOSEN: ${PKGS[*]}"
@@ -189,5 +315,7 @@ say "pip install '$SRC[agent]' into $VENV (binary wheels only${index:+, from $TA
   --only-binary=:all: "${index[@]}" "$SRC[agent]" "setuptools>=77" wheel
 
 install_rknn
+# the GPU findings, now that the venv's TVM is there to look at; they never fail the install
+while IFS= read -r line; do say "$line"; done < <(gpu_report || true)
 install_service
 say "done: $("$VENV/bin/tandoor-agent" --version)"
