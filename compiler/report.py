@@ -114,7 +114,7 @@ def print_summary(info: dict) -> None:
             f"(ratio {info['delegation_ratio']:.2f}) in {sum(runs_on(p) == 'ACL' for p in info['partitions'])} subgraph(s); "
             f"predicted speedup {info['predicted_speedup']:.2f}x, policy {info['policy']}, "
             f"layout transposes: {info['layout_transposes']}"
-            + (f", ACL/TVM boundaries: {info['boundaries']}" if info.get("boundaries") is not None else ""))
+            + (f", TVM/order boundaries: {info['boundaries']}" if info.get("boundaries") is not None else ""))
     if q := info.get("quantized"):   # an INT8 QDQ model (compiler/int8/quantize.py)
         c.print(f"INT8 ({q['format']}, {', '.join(f'{k} x{v}' for k, v in q['ops'].items())}): computed in "
                 f"{q['compute']} (atol {info['tolerance']['atol']:.3g})")
@@ -196,9 +196,9 @@ def print_summary(info: dict) -> None:
 # --- the graph -----------------------------------------------------------------------------------
 
 def boundaries(mod: tvm.IRModule) -> int:
-    """The tensors that cross between ACL and TVM: every distinct non-constant input and every
-    output of every delegated region called from main. Each is one hand-over through the bridge
-    (L_bridge = k * t_copy + t_launch, docs/overview.md): a model cut into more regions, or whose
+    """The tensors that cross between TVM and the delegated orders (ACL, onnxruntime, the NPU):
+    every distinct non-constant input and every output of every delegated region called from main.
+    Each is one hand-over through the bridge (L_bridge = k * t_copy + t_launch, docs/overview.md): a model cut into more regions, or whose
     regions take and give more tensors, crosses more often."""
     k = 0
     for block in mod["main"].body.blocks:

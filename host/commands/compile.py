@@ -138,7 +138,7 @@ def compile(model, out, inputs, targets, key, labels, mean, std, layout, bgr, po
         f"[green]wrote[/] {out}: {share:.1%} of the FLOPs ({p['ops_delegated']}/{p['ops_total']} ops) to ACL"
         + (f" ({p['flops_delegated_int8'] / p['flops_total']:.1%} as INT8)" if p.get("flops_delegated_int8") else "")
         + " in "
-        f"{len(kept)} subgraph(s)" + (f" ({p['boundaries']} ACL/TVM boundaries)" if p.get("boundaries") is not None else "")
+        f"{len(kept)} subgraph(s)" + (f" ({p['boundaries']} TVM/order boundaries)" if p.get("boundaries") is not None else "")
         + ", " + (f"{sum(ort_ops.values())} ONNX node(s) to onnxruntime ({', '.join(f'{k} x{v}' for k, v in ort_ops.most_common())}), "
                   if ort_ops else "")
         + f"{p['layout_transposes']} layout transpose(s), targets "

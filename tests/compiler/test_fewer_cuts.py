@@ -272,4 +272,4 @@ def test_inspect_reports_the_boundary_count(tmp_path):
     js = run_cli("tandoor", "inspect", str(out), "--json")
     assert js.returncode == 0 and json.loads(js.stdout)["boundaries"] == man["boundaries"] == 4
     text = run_cli("tandoor", "inspect", str(out))
-    assert text.returncode == 0 and "ACL/TVM boundaries: 4" in " ".join(text.stdout.split())
+    assert text.returncode == 0 and "TVM/order boundaries: 4" in " ".join(text.stdout.split())
