@@ -72,6 +72,11 @@ def compile_model(model: str | Path, out: str | Path, *, int8: bool = False, cal
 
     accuracy.check_budget(validation, max_drop, model=model, inputs=opts.inputs, decoder=opts.decoder)
     if npu:
+        from . import targets as targets_mod
+        from .backends.rknn import stages as npu_stages
+
+        # refused before minutes of reading frames; the pipeline checks again what it is given
+        npu_stages.check_options(opts, targets_mod.resolve(opts.targets), calibrated=calibration is not None)
         samples = None
         if calibration is not None:
             tell("stage", {"message": f"reading the NPU's calibration frames from {calibration}"})

@@ -50,9 +50,7 @@ from . import cache as cache_mod
 from .stages import check_facts, frontend
 from .backends.acl import order_onnx
 from .int8 import quantize
-from .backends.rknn import npu
 from .backends.rknn import stages as npu_stages
-from .backends.rknn import toolkit as rknn_mod
 from .stages import profile as profile_mod
 from . import targets as targets_mod
 from .errors import CompileError, InternalError
@@ -237,14 +235,7 @@ def compile_model(model: str | Path, out: str | Path, opts: Options | None = Non
     if opts.gpu_tuning is not None and not any(t.gpu for t in tgts):
         raise CompileError("--gpu-tuning is for a GPU part: give --target jetson-orin or cuda-sm90")
     if opts.npu:
-        if not any(t.name == "rk3588" for t in tgts):
-            raise CompileError("--npu is the RK3588's NPU: give --target rk3588")
-        if opts.npu_dtype not in rknn_mod.DTYPES:
-            raise CompileError(f"unknown --npu-dtype {opts.npu_dtype}; choose {', '.join(rknn_mod.DTYPES)}")
-        if opts.npu_dtype == "int8" and not opts.npu_samples:
-            raise CompileError("--npu converts to INT8 calibrated on your frames: give --calibration DIR|VIDEO, "
-                               "or --npu-dtype fp16")
-        rknn_mod.python()      # the toolkit's venv, or the one line saying how to make it
+        npu_stages.check_options(opts, tgts, calibrated=bool(opts.npu_samples))
 
     ckey = None
     # a failpoint tests a stage: it must run, not come from the cache
@@ -277,15 +268,8 @@ def _compile(model, out_path: Path, opts: Options, tgts, key, say, timings: dict
     npu_summary = None
     with stage("load", timings):
         loaded = frontend.load(model, opts.inputs)
-        picked = npu.pick(loaded.proto, avoid=set(hatch.reasons(loaded.proto)), ranges=npu.ranges(
-            loaded.proto, opts.npu_samples) if opts.npu_dtype == "int8" and opts.npu_samples else None) \
-            if opts.npu else None
-        npu_source, board_profile = "estimate (NPU op table)", None
-        if picked is not None and opts.profile is not None:     # a board's numbers over the table's guess
-            say(f"checking the profile {Path(opts.profile).name}")
-            board_profile = profile_mod.load_for_compile(opts.profile, loaded, "aarch64")
-            npu_source = npu.apply_profile(picked, board_profile, opts.name or loaded.name,
-                                           list(loaded.proto.graph.node))
+        picked, npu_source, board_profile = npu_stages.pick(loaded, opts, say) if opts.npu else \
+            (None, None, None)
         loaded.tvm_proto, loaded.hatch = npu_stages.cut(loaded, opts.name or loaded.name, picked)
     for g in loaded.hatch:
         say(f"{g.symbol}: {len(g.nodes)} node(s) to {'the NPU' if g.kind == backends.RKNN else 'onnxruntime'}"

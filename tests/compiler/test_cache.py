@@ -135,7 +135,7 @@ def test_the_compilers_source_is_part_of_the_key(tmp_path):
     copy = tmp_path / "compiler"
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert cache.fingerprint({"tandoor_compiler": copy}) == cache.fingerprint({"tandoor_compiler": src})
-    (copy / "passes.py").write_text((copy / "passes.py").read_text() + "\n# a change\n")
+    (copy / "stages" / "passes.py").write_text((copy / "stages" / "passes.py").read_text() + "\n# a change\n")
     assert cache.fingerprint({"tandoor_compiler": copy}) != cache.fingerprint({"tandoor_compiler": src})
     (copy / "new_pass.py").write_text("")
     assert len({cache.fingerprint({"tandoor_compiler": d}) for d in (src, copy)}) == 2

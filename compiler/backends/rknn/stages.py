@@ -1,12 +1,16 @@
-"""What ``compile --npu`` adds to the pipeline (compiler/pipeline.py calls these in this order):
-``cut`` the model at the regions the NPU's table picked (the rest stays for ACL, TVM and the escape
-hatch), ``convert`` them with the RKNN toolkit (a region it refuses goes back to the CPU and the
-model is cut again), then the manifest's ``npu`` (``manifest``) and each output's promise on the
-``rknn`` path (``promise``). ``loaded`` is frontend.LoadedModel; ``opts`` the pipeline's Options."""
+"""What ``compile --npu`` adds to the compile, top to bottom in the order it runs (compiler/api.py
+and compiler/pipeline.py call each once, at its place): ``check_options`` before any work; ``pick``
+the regions the NPU's table takes (a board's profile over the table's guess); ``cut`` the model
+there (the rest stays for ACL, TVM and the escape hatch); ``convert`` them with the RKNN toolkit (a
+region it refuses goes back to the CPU and the model is cut again); the manifest's ``npu``
+(``manifest``); each output's promise on the ``rknn`` path (``promise``); and, when --max-drop
+refuses the NPU's answers, what to try (``npu_fix``). ``loaded`` is frontend.LoadedModel; ``opts``
+the pipeline's Options."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
@@ -16,17 +20,36 @@ from ..onnx import hatch
 from . import npu, toolkit
 
 
-def manifest(loaded, picked: npu.Pick, converted: list[dict], source: str) -> dict:
-    """The manifest's ``npu``: FLOPs (of the ONNX model, compiler/backends/rknn/npu.py's count) in rknn orders,
-    each order's toolkit facts and simulator check, and why the rest stayed on the CPU."""
-    nodes = list(loaded.proto.graph.node)
-    total = sum(picked.flops.values())
-    on_npu = sum(picked.flops[k] for g in picked.groups for k in g)
-    why = Counter(f"{nodes[k].op_type}: {r}" for k, r in {**picked.refused, **picked.dropped}.items())
-    return {"target_platform": toolkit.TARGET_PLATFORM, "flops_total": round(total), "flops_rknn": round(on_npu),
-            "share": round(on_npu / total, 4) if total else 0.0, "source": source,
-            "orders": converted,
-            "cpu": [{"why": w, "nodes": n} for w, n in why.most_common()]}
+
+def check_options(opts, targets, *, calibrated: bool) -> None:
+    """Refuse --npu options that cannot work, before any work: no rk3588 among the targets, an
+    unknown dtype, int8 without calibration frames, or no toolkit venv (the one line saying how)."""
+    from ...errors import CompileError
+
+    if not any(t.name == "rk3588" for t in targets):
+        raise CompileError("--npu is the RK3588's NPU: give --target rk3588")
+    if opts.npu_dtype not in toolkit.DTYPES:
+        raise CompileError(f"unknown --npu-dtype {opts.npu_dtype}; choose {', '.join(toolkit.DTYPES)}")
+    if opts.npu_dtype == "int8" and not calibrated:
+        raise CompileError("--npu converts to INT8 calibrated on your frames: give --calibration DIR|VIDEO, "
+                           "or --npu-dtype fp16")
+    toolkit.python()      # the toolkit's venv, or the one line saying how to make it
+
+
+def pick(loaded, opts, say):
+    """The NPU's regions of the loaded model: its table's picks (int8: with the activation ranges
+    of the calibration inputs), then a board's measured profile over the table's guess. Returns
+    (the Pick, where the choice came from, the board profile or None)."""
+    from ...stages import profile as profile_mod
+
+    ranges = npu.ranges(loaded.proto, opts.npu_samples) if opts.npu_dtype == "int8" and opts.npu_samples else None
+    picked = npu.pick(loaded.proto, avoid=set(hatch.reasons(loaded.proto)), ranges=ranges)
+    source, board_profile = "estimate (NPU op table)", None
+    if opts.profile is not None:
+        say(f"checking the profile {Path(opts.profile).name}")
+        board_profile = profile_mod.load_for_compile(opts.profile, loaded, "aarch64")
+        source = npu.apply_profile(picked, board_profile, opts.name or loaded.name, list(loaded.proto.graph.node))
+    return picked, source, board_profile
 
 
 def cut(loaded, name: str, picked: npu.Pick | None):
@@ -59,6 +82,19 @@ def convert(loaded, opts, picked: npu.Pick, say, golden_pairs: int) -> npu.Conve
         npu.keep_converted(old, loaded.hatch)
         converted.orders = [{"symbol": g.symbol, **g.rknn} for g in loaded.hatch if g.kind == backends.RKNN]
     return converted
+
+
+def manifest(loaded, picked: npu.Pick, converted: list[dict], source: str) -> dict:
+    """The manifest's ``npu``: FLOPs (of the ONNX model, compiler/backends/rknn/npu.py's count) in rknn orders,
+    each order's toolkit facts and simulator check, and why the rest stayed on the CPU."""
+    nodes = list(loaded.proto.graph.node)
+    total = sum(picked.flops.values())
+    on_npu = sum(picked.flops[k] for g in picked.groups for k in g)
+    why = Counter(f"{nodes[k].op_type}: {r}" for k, r in {**picked.refused, **picked.dropped}.items())
+    return {"target_platform": toolkit.TARGET_PLATFORM, "flops_total": round(total), "flops_rknn": round(on_npu),
+            "share": round(on_npu / total, 4) if total else 0.0, "source": source,
+            "orders": converted,
+            "cpu": [{"why": w, "nodes": n} for w, n in why.most_common()]}
 
 
 def promise(tolerance: dict, loaded, converted: npu.Converted, dtype: str) -> None:

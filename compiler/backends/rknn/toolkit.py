@@ -58,7 +58,7 @@ def python() -> Path:
     (scripts/setup.sh makes both in the repository's root), else CompileError with the fix."""
     env = os.environ.get("TANDOOR_RKNN_PYTHON")
     candidates = [Path(env)] if env else [Path(sys.prefix).parent / ".venv-rknn" / "bin" / "python",
-                                          Path(__file__).resolve().parents[1] / ".venv-rknn" / "bin" / "python"]
+                                          Path(__file__).resolve().parents[3] / ".venv-rknn" / "bin" / "python"]
     for p in candidates:
         if p.is_file() and os.access(p, os.X_OK):
             return p
