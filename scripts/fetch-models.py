@@ -15,7 +15,7 @@ try:
     from tandoor_zoo import models as zoo
 except ImportError:  # run from a checkout without `pip install -e`
     _spec = importlib.util.spec_from_file_location(
-        "tandoor_compiler_zoo", Path(__file__).resolve().parent.parent / "compiler" / "zoo.py")
+        "tandoor_zoo_models", Path(__file__).resolve().parent.parent / "zoo" / "models.py")
     zoo = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(zoo)
 
